@@ -1,0 +1,30 @@
+# Set-up is two commands: `make serve` and `make test`. Both build .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch first, so that no requirement pulls a multi-GB CUDA build
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+.PHONY: install test lint serve bench clean
+install: $(VENV)/.installed
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest tests
+
+serve: install
+	$(PY) -m ppo_logprobs.workers
+
+bench: install
+	$(PY) benchmarks/bench_head.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Client library and command line. Lands with its own issue."""

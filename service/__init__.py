@@ -1,0 +1,1 @@
+"""The HTTP gateway (FastAPI under Ray Serve). Lands with its own issue."""

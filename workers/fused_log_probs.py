@@ -1,0 +1,203 @@
+"""The fused LM head: per-token log-probabilities and entropies without materialising [tokens, vocab] logits.
+
+One public entry point (`fused_log_probs`), one autograd Function, options in `HeadOptions`, and the backend
+chosen in `resolve_backend` alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+
+Backend = Literal["auto", "torch", "triton"]
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    backend: Literal["torch", "triton"]
+    ignore_index: int = -100
+    compute_entropy: bool = True
+    chunk_size: int = 512  # tokens per chunk of the torch backend
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
+    """"auto" is Triton on CUDA and torch elsewhere. Triton on the CPU needs TRITON_INTERPRET=1."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "torch":
+        return "torch"
+    if backend == "triton":
+        from .triton_log_probs_forward import interpreting
+
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got {device.type}); use backend='torch' or 'auto', "
+                "or set TRITON_INTERPRET=1 before importing ppo_logprobs to run the kernel on the CPU"
+            )
+        return "triton"
+    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+
+
+def _position(flat_index: int, shape: torch.Size) -> str:
+    idx = []
+    for size in reversed(shape):
+        idx.append(flat_index % size)
+        flat_index //= size
+    return "[" + ", ".join(map(str, reversed(idx))) + "]"
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, backend: str) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, got shape {tuple(hidden.shape)}"
+        )
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without H), got {tuple(labels.shape)}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}")
+    allowed = _FLOAT_DTYPES + ((torch.float64,) if backend == "torch" else ())
+    if hidden.dtype not in allowed:
+        raise ValueError(f"dtype {hidden.dtype} is not supported by backend {backend!r}; use one of {allowed}")
+    if not (hidden.device == weight.device == labels.device):
+        raise ValueError(f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}")
+    vocab = weight.shape[0]
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        first = int(bad.flatten().nonzero()[0])
+        value = int(labels.flatten()[first])
+        raise ValueError(
+            f"labels{_position(first, labels.shape)} = {value} is outside the vocabulary [0, {vocab}) "
+            f"and is not ignore_index ({ignore_index})"
+        )
+
+
+def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
+    """1 / temperature as an fp32 tensor shaped like labels (flattened)."""
+    if isinstance(temperature, Tensor) and temperature.dim() > 0:
+        if temperature.shape != labels.shape:
+            raise ValueError(
+                f"a temperature tensor must have the shape of labels {tuple(labels.shape)}, got {tuple(temperature.shape)}"
+            )
+        t = temperature.to(device=labels.device, dtype=torch.float32)
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            first = int(bad.flatten().nonzero()[0])
+            raise ValueError(
+                f"temperature{_position(first, labels.shape)} = {float(t.flatten()[first])} must be a positive finite number"
+            )
+        return (1.0 / t).flatten().contiguous()
+    value = float(temperature)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {value}")
+    return torch.full((labels.numel(),), 1.0 / value, dtype=torch.float32, device=labels.device)
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions):
+        ctx.set_materialize_grads(False)
+        if opts.backend == "triton":
+            from .triton_log_probs_forward import triton_log_probs_forward
+
+            log_probs, entropy, lse = triton_log_probs_forward(
+                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index, compute_entropy=opts.compute_entropy
+            )
+        else:
+            log_probs, entropy, lse = torch_log_probs_forward(
+                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index,
+                compute_entropy=opts.compute_entropy, chunk_size=opts.chunk_size,
+            )
+        ctx.save_for_backward(hidden, weight, labels, inv_temp, lse, entropy)
+        ctx.opts = opts
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, labels, inv_temp, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return None, None, None, None, None
+        opts: HeadOptions = ctx.opts
+        kwargs = dict(ignore_index=opts.ignore_index, need_hidden=need_hidden, need_weight=need_weight)
+        args = (hidden, weight, labels, inv_temp, lse, entropy, grad_log_probs, grad_entropy)
+        if opts.backend == "triton":
+            from .triton_log_probs_backward import triton_log_probs_backward
+
+            d_hidden, d_weight = triton_log_probs_backward(*args, **kwargs)
+        else:
+            d_hidden, d_weight = torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
+        return d_hidden, d_weight, None, None, None
+
+
+def fused_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float | Tensor = 1.0,
+    *,
+    ignore_index: int = -100,
+    compute_entropy: bool = True,
+    backend: Backend = "auto",
+    chunk_size: int = 512,
+) -> tuple[Tensor, Tensor | None]:
+    """log p(labels | hidden) and the entropy of the same distribution, per token, from the LM head weight.
+
+    hidden: [..., H]; weight: [V, H]; labels: [...] (integers in [0, V) or `ignore_index`);
+    temperature: a positive float or a tensor shaped like labels (divides the logits).
+    Returns (log_probs, entropy), fp32 and shaped like labels; entropy is None when compute_entropy=False.
+    Ignored tokens give 0 and no gradient. Differentiable in hidden and weight.
+    """
+    opts = HeadOptions(
+        backend=resolve_backend(backend, hidden.device),
+        ignore_index=ignore_index,
+        compute_entropy=compute_entropy,
+        chunk_size=chunk_size,
+    )
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    _check_inputs(hidden, weight, labels, ignore_index, opts.backend)
+    inv_temp = _inverse_temperature(temperature, labels)
+    shape = labels.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if flat_hidden.stride(-1) != 1:
+        flat_hidden = flat_hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    flat_labels = labels.reshape(-1).to(torch.int64)
+    if flat_labels.numel() == 0:
+        empty = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
+        return empty + 0.0 * hidden.sum() + 0.0 * weight.sum(), (empty.clone() if compute_entropy else None)
+    log_probs, entropy = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts)
+    return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
+
+
+class FusedLinearForPPO(nn.Module):
+    """The LM head as a module: forward(hidden_states, vocab_weights, input_ids) -> (log_probs, entropy).
+
+    `input_ids` are the labels each position is scored on (already shifted by one).
+    """
+
+    def __init__(self, chunk_size: int = 512, backend: Backend = "auto") -> None:
+        super().__init__()
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def forward(
+        self, hidden_states: Tensor, vocab_weights: Tensor, input_ids: Tensor, temperature: float | Tensor = 1.0
+    ) -> tuple[Tensor, Tensor | None]:
+        return fused_log_probs(
+            hidden_states, vocab_weights, input_ids, temperature, backend=self.backend, chunk_size=self.chunk_size
+        )
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, backend={self.backend!r}"

@@ -1,0 +1,113 @@
+"""The torch backend of the fused head: chunked over tokens, fp32 math; also the readable statement of the math.
+
+Both functions take flattened inputs: hidden [N, H], weight [V, H], labels [N] (int64), inv_temp [N] (fp32).
+Logits are z = (hidden @ weight.T) * inv_temp. For each token: lse = logsumexp(z),
+log_prob = z[label] - lse, entropy = lse - sum(softmax(z) * z).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: Tensor, weight_c: Tensor, inv_temp: Tensor, start: int, chunk_size: int) -> Tensor:
+    """Logits of rows [start, start + chunk_size), in the compute dtype, shaped [chunk_size, V].
+
+    ## NB: the last chunk is zero-padded to chunk_size rows, so every matmul has one shape and a token's
+    logits cannot depend on how many other tokens share the call (cuBLAS and CPU BLAS pick kernels by shape).
+    """
+    h = hidden[start : start + chunk_size].to(weight_c.dtype)  # [C, H]
+    t = inv_temp[start : start + chunk_size].to(weight_c.dtype)  # [C]
+    pad = chunk_size - h.shape[0]
+    if pad:
+        h = torch.nn.functional.pad(h, (0, 0, 0, pad))
+        t = torch.nn.functional.pad(t, (0, pad), value=1.0)
+    return (h @ weight_c.T) * t[:, None]
+
+
+def torch_log_probs_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    inv_temp: Tensor,
+    *,
+    ignore_index: int,
+    compute_entropy: bool,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
+    n = hidden.shape[0]
+    weight_c = weight.to(_compute_dtype(weight.dtype))  # [V, H]
+    log_probs = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(log_probs) if compute_entropy else None
+    lse = torch.zeros_like(log_probs)
+    for start in range(0, n, chunk_size):
+        rows = min(chunk_size, n - start)
+        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)[:rows]  # [rows, V]
+        chunk_lse = torch.logsumexp(logits, dim=-1)
+        lab = labels[start : start + rows]
+        ignored = lab == ignore_index
+        picked = logits.gather(-1, torch.where(ignored, 0, lab)[:, None])[:, 0]
+        log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse).float()
+        lse[start : start + rows] = chunk_lse.float()
+        if entropy is not None:
+            probs = torch.softmax(logits, dim=-1)
+            ent = chunk_lse - (probs * logits).sum(-1)
+            entropy[start : start + rows] = torch.where(ignored, 0.0, ent).float()
+    return log_probs, entropy, lse
+
+
+def torch_log_probs_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    inv_temp: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_log_probs: Tensor | None,
+    grad_entropy: Tensor | None,
+    *,
+    ignore_index: int,
+    chunk_size: int,
+    need_hidden: bool = True,
+    need_weight: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of sum(grad_log_probs * log_probs + grad_entropy * entropy) in hidden and weight.
+
+    d z_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy); d logits = d z * inv_temp.
+    Gradients are accumulated in fp32 (fp64 for fp64 inputs) and rounded once to the input dtype.
+    """
+    n = hidden.shape[0]
+    acc = _compute_dtype(weight.dtype)
+    weight_c = weight.to(acc)
+    d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_hidden else None
+    d_weight = torch.zeros_like(weight_c) if need_weight else None
+    for start in range(0, n, chunk_size):
+        rows = min(chunk_size, n - start)
+        sl = slice(start, start + rows)
+        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)[:rows]  # [rows, V]
+        log_p = logits - lse[sl, None].to(acc)
+        probs = log_p.exp()
+        keep = (labels[sl] != ignore_index).to(acc)[:, None]  # [rows, 1]
+        d_logits = torch.zeros_like(logits)
+        if grad_log_probs is not None:
+            g = grad_log_probs[sl, None].to(acc) * keep
+            d_logits -= g * probs
+            d_logits.scatter_add_(-1, labels[sl, None].clamp(min=0), g)
+        if grad_entropy is not None:
+            g = grad_entropy[sl, None].to(acc) * keep
+            d_logits -= g * probs * (log_p + entropy[sl, None].to(acc))
+        d_logits *= inv_temp[sl, None].to(acc)
+        if d_hidden is not None:
+            d_hidden[sl] = d_logits @ weight_c
+        if d_weight is not None:
+            d_weight += d_logits.T @ hidden[sl].to(acc)
+    return (
+        d_hidden.to(hidden.dtype) if d_hidden is not None else None,
+        d_weight.to(weight.dtype) if d_weight is not None else None,
+    )

@@ -1,0 +1,217 @@
+"""Triton forward of the fused head: one pass over vocabulary tiles, never writing [N, V] to memory.
+
+Each program owns BLOCK_N tokens and one vocabulary split (a fixed run of BLOCK_V tiles). For every tile it
+computes the logits with tensor-core dots and folds them into fp32 online statistics per token:
+  m = running max, s = sum exp(z - m), w = sum exp(z - m) * (z - m), and z[label] when the label is here.
+A small combine kernel merges the splits in a fixed order and gives log_prob, entropy and lse.
+The number of splits depends on V only, so a token's result never depends on how many tokens share the call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+# Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
+_PAD_LOGIT = -1.0e30
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int  # tokens per program
+    block_v: int  # vocabulary entries per tile
+    block_h: int  # hidden entries per dot step
+    num_splits: int  # vocabulary splits (forward); fixed per V so results are batch invariant
+    group_r: int  # row blocks scheduled side by side, for L2 reuse
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def tile_config(dtype: torch.dtype) -> TileConfig:
+    """The one fixed tiling for a dtype. Never tuned per call: that would break batch invariance."""
+    if interpreting():  # small tiles so that small test shapes still cross tiles, splits and groups
+        return TileConfig(block_n=16, block_v=32, block_h=16, num_splits=3, group_r=2)
+    if dtype == torch.float32:
+        return TileConfig(block_n=64, block_v=128, block_h=32, num_splits=16, group_r=8, num_warps=8, num_stages=3)
+    return TileConfig(block_n=128, block_v=256, block_h=64, num_splits=16, group_r=8, num_warps=8, num_stages=3)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How _logits_tile multiplies: "ieee" for fp32 inputs (no tf32 rounding); "tf32" is ignored for 16-bit.
+
+    ## NB: the Triton interpreter multiplies bf16 tiles as their raw uint16 bits (checked with triton 3.6 and
+    3.9), so under TRITON_INTERPRET bf16 tiles are widened to fp32 first: "ieee-widen". bf16 products are exact
+    in fp32, so this is the same arithmetic as the tensor cores' bf16 x bf16 -> fp32.
+    """
+    if dtype == torch.bfloat16 and interpreting():
+        return "ieee-widen"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _grouped_tile(pid, num_row_blocks, num_cols, GROUP_R: tl.constexpr):
+    """Maps a program id to (row block, column index) so that GROUP_R row blocks share each column run."""
+    per_group = GROUP_R * num_cols
+    first_r = (pid // per_group) * GROUP_R
+    group_size = tl.minimum(num_row_blocks - first_r, GROUP_R)
+    local = pid % per_group
+    return first_r + local % group_size, local // group_size
+
+
+@triton.jit
+def _logits_tile(
+    hidden_ptr, weight_ptr, rows, cols, H, stride_hn, stride_wv,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """hidden[rows] @ weight[cols].T in fp32: [BLOCK_N, BLOCK_V]. rows and cols must be in range."""
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ptrs = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
+    w_ptrs = weight_ptr + cols.to(tl.int64)[None, :] * stride_wv + offs_h[:, None]  # [BLOCK_H, BLOCK_V]
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_H)):
+        if EVEN_H:
+            h = tl.load(h_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_h < H - k * BLOCK_H
+            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_PRECISION == "ieee-widen":
+            acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_H
+        w_ptrs += BLOCK_H
+    return acc
+
+
+@triton.jit
+def _triton_log_probs_forward_kernel(
+    hidden_ptr, weight_ptr, labels_ptr, inv_temp_ptr,
+    part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
+    N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits,
+    COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_R)
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows_in = rows % N  # rows past N recompute a real row; their results are never stored
+    labels = tl.load(labels_ptr + rows_in)
+    inv_t = tl.load(inv_temp_ptr + rows_in)
+
+    m = tl.full([BLOCK_N], _PAD_LOGIT, dtype=tl.float32)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z_label = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    for t in range(tile_lo, tile_hi):
+        cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
+        acc = _logits_tile(hidden_ptr, weight_ptr, rows_in, cols % V, H, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION)
+        z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        d = z - m_new[:, None]
+        p = tl.exp2(d * LOG2E)
+        alpha = tl.exp2((m - m_new) * LOG2E)
+        if COMPUTE_ENTROPY:
+            ## NB: w is kept relative to the running max, so it stays small when logits are in the thousands.
+            w = alpha * (w + (m - m_new) * s) + tl.sum(p * d, axis=1)
+        s = alpha * s + tl.sum(p, axis=1)
+        m = m_new
+        here = (labels >= t * BLOCK_V) & (labels < t * BLOCK_V + BLOCK_V)
+        if tl.max(here.to(tl.int32), axis=0) > 0:
+            z_label += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+
+    part = split.to(tl.int64) * N + rows
+    tl.store(part_max_ptr + part, m, mask=row_ok)
+    tl.store(part_sum_ptr + part, s, mask=row_ok)
+    if COMPUTE_ENTROPY:
+        tl.store(part_wsum_ptr + part, w, mask=row_ok)
+    mine = row_ok & (labels >= tile_lo * BLOCK_V) & (labels < tile_hi * BLOCK_V)
+    tl.store(label_logit_ptr + rows, z_label, mask=mine)
+
+
+@triton.jit
+def _triton_combine_splits_kernel(
+    part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
+    log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
+    COMPUTE_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    m = tl.full([BLOCK], _PAD_LOGIT, dtype=tl.float32)
+    for i in range(num_splits):
+        m = tl.maximum(m, tl.load(part_max_ptr + i * N + rows, mask=ok, other=_PAD_LOGIT))
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    w = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(num_splits):
+        m_i = tl.load(part_max_ptr + i * N + rows, mask=ok, other=_PAD_LOGIT)
+        s_i = tl.load(part_sum_ptr + i * N + rows, mask=ok, other=0.0)
+        a = tl.exp2((m_i - m) * LOG2E)
+        s += a * s_i
+        if COMPUTE_ENTROPY:
+            w += a * (tl.load(part_wsum_ptr + i * N + rows, mask=ok, other=0.0) + (m_i - m) * s_i)
+    s = tl.where(ok, s, 1.0)
+    log_s = tl.log(s)
+    lse = m + log_s
+    labels = tl.load(labels_ptr + rows, mask=ok, other=ignore_index)
+    ignored = labels == ignore_index
+    z_label = tl.load(label_logit_ptr + rows, mask=ok & ~ignored, other=0.0)
+    tl.store(log_probs_ptr + rows, tl.where(ignored, 0.0, z_label - lse), mask=ok)
+    tl.store(lse_ptr + rows, lse, mask=ok)
+    if COMPUTE_ENTROPY:
+        tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
+
+
+def triton_log_probs_forward(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    inv_temp: Tensor,
+    *,
+    ignore_index: int,
+    compute_entropy: bool,
+    config: TileConfig | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cfg = config or tile_config(hidden.dtype)
+    num_tiles = triton.cdiv(v, cfg.block_v)
+    tiles_per_split = triton.cdiv(num_tiles, cfg.num_splits)
+    num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    part_max, part_sum = torch.empty(2, num_splits, n, **f32)
+    part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
+    label_logit = torch.empty(n, **f32)
+    grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
+    _triton_log_probs_forward_kernel[grid](
+        hidden, weight, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
+        n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits,
+        COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
+        DOT_PRECISION=dot_precision(hidden.dtype), GROUP_R=cfg.group_r,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    log_probs, lse = torch.empty(2, n, **f32)
+    entropy = torch.empty(n, **f32) if compute_entropy else None
+    block = 128
+    _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
+        part_max, part_sum, part_wsum, label_logit, labels, log_probs,
+        entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
+        COMPUTE_ENTROPY=compute_entropy, BLOCK=block,
+    )
+    return log_probs, entropy, lse
