@@ -15,19 +15,32 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(hidden: Tensor, weight_c: Tensor, inv_temp: Tensor, start: int, chunk_size: int) -> Tensor:
-    """Logits of rows [start, start + chunk_size), in the compute dtype, shaped [chunk_size, V].
+def mm_fp32(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """a @ b accumulated in fp32 (fp64 for fp64 inputs), rounded once to out_dtype (default: fp32/fp64).
+
+    16-bit CUDA inputs stay on the tensor cores (cuBLAS with an fp32 output); elsewhere the inputs are widened.
+    """
+    acc = _compute_dtype(a.dtype)
+    out_dtype = out_dtype or acc
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype:
+        return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=out_dtype)
+    return (a.to(acc) @ b.to(acc)).to(out_dtype)
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor, start: int, chunk_size: int) -> Tensor:
+    """Logits of rows [start, start + chunk_size), fp32 (fp64 for fp64 inputs), shaped [chunk_size, V].
 
     ## NB: the last chunk is zero-padded to chunk_size rows, so every matmul has one shape and a token's
     logits cannot depend on how many other tokens share the call (cuBLAS and CPU BLAS pick kernels by shape).
     """
-    h = hidden[start : start + chunk_size].to(weight_c.dtype)  # [C, H]
-    t = inv_temp[start : start + chunk_size].to(weight_c.dtype)  # [C]
+    h = hidden[start : start + chunk_size]  # [C, H]
+    t = inv_temp[start : start + chunk_size]  # [C]
     pad = chunk_size - h.shape[0]
     if pad:
         h = torch.nn.functional.pad(h, (0, 0, 0, pad))
         t = torch.nn.functional.pad(t, (0, pad), value=1.0)
-    return (h @ weight_c.T) * t[:, None]
+    logits = mm_fp32(h, weight.T)
+    return logits * t[:, None].to(logits.dtype)
 
 
 def torch_log_probs_forward(
@@ -42,7 +55,7 @@ def torch_log_probs_forward(
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
     n = hidden.shape[0]
-    weight_c = weight.to(_compute_dtype(weight.dtype))  # [V, H]
+    weight_c = weight if weight.is_cuda else weight.to(_compute_dtype(weight.dtype))  # [V, H], widened once
     log_probs = torch.zeros(n, dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros_like(log_probs) if compute_entropy else None
     lse = torch.zeros_like(log_probs)

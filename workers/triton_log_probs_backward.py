@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .torch_log_probs import mm_fp32
 from .triton_log_probs_forward import LOG2E, TileConfig, _grouped_tile, _logits_tile, dot_precision, tile_config
 
 
@@ -48,13 +49,6 @@ def _triton_grad_logits_kernel(
     tl.store(out, grad.to(d_logits_ptr.dtype.element_ty), mask=ok)
 
 
-def _mm(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    """a @ b accumulated in fp32 and rounded once to out_dtype."""
-    if not a.is_cuda:
-        return (a.float() @ b.float()).to(out_dtype)
-    return torch.mm(a, b) if out_dtype == a.dtype else torch.mm(a, b, out_dtype=out_dtype)
-
-
 def triton_log_probs_backward(
     hidden: Tensor,
     weight: Tensor,
@@ -78,8 +72,8 @@ def triton_log_probs_backward(
     keep = labels != ignore_index
     g_lp = torch.where(keep, grad_log_probs.float(), 0.0) if grad_log_probs is not None else None
     g_ent = torch.where(keep, grad_entropy.float(), 0.0) if grad_entropy is not None else None
-    chunk = max(cfg.block_v, chunk_bytes // (n * hidden.element_size()) // cfg.block_v * cfg.block_v)
-    chunk = min(chunk, triton.cdiv(v, cfg.block_v) * cfg.block_v)
+    num_chunks = triton.cdiv(n * v * hidden.element_size(), chunk_bytes)  # chunks of about equal width
+    chunk = triton.cdiv(triton.cdiv(v, num_chunks), cfg.block_v) * cfg.block_v
     d_logits = torch.empty(n, chunk, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
@@ -97,7 +91,7 @@ def triton_log_probs_backward(
         )
         d_chunk = d_logits[:, :vc]  # [N, vc]
         if d_hidden is not None:
-            d_hidden += _mm(d_chunk, weight[v0 : v0 + vc], torch.float32)
+            d_hidden += mm_fp32(d_chunk, weight[v0 : v0 + vc], torch.float32)
         if d_weight is not None:
-            d_weight[v0 : v0 + vc] = _mm(d_chunk.T, hidden, weight.dtype)
+            d_weight[v0 : v0 + vc] = mm_fp32(d_chunk.T, hidden, weight.dtype)
     return (d_hidden.to(hidden.dtype) if d_hidden is not None else None), d_weight

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
-_PAD_LOGIT = -1.0e30
+_PAD_LOGIT = tl.constexpr(-1.0e30)
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,9 @@ def tile_config(dtype: torch.dtype) -> TileConfig:
     if interpreting():  # small tiles so that small test shapes still cross tiles, splits and groups
         return TileConfig(block_n=16, block_v=32, block_h=16, num_splits=3, group_r=2)
     if dtype == torch.float32:
-        return TileConfig(block_n=64, block_v=128, block_h=32, num_splits=16, group_r=8, num_warps=8, num_stages=3)
-    return TileConfig(block_n=128, block_v=256, block_h=64, num_splits=16, group_r=8, num_warps=8, num_stages=3)
+        return TileConfig(block_n=64, block_v=128, block_h=32, num_splits=8, group_r=16, num_warps=8, num_stages=3)
+    # 16-bit: chosen by `benchmarks/bench_head.py --sweep` on an H200 (BENCHMARKS.md)
+    return TileConfig(block_n=128, block_v=256, block_h=64, num_splits=8, group_r=16, num_warps=8, num_stages=3)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,0 +1,223 @@
+"""GPU benchmark of the fused head against the cuBLAS floor and the naive full-logits path.
+
+For each shape N x H x V (bf16), in one run: the floor (hidden @ weight.T for forward; the three GEMMs for
+forward+backward), the naive path (logits -> log_softmax, autograd), our torch backend and our Triton backend.
+Prints time (median of do_bench), ratio to the floor, peak extra memory and max error against float64 on a
+sample of rows. Writes everything as JSON.
+
+  python benchmarks/bench_head.py --out results.json            # the table of BENCHMARKS.md
+  python benchmarks/bench_head.py --sweep --shapes 8192x4096x151936   # tile configurations of the kernels
+  python benchmarks/bench_head.py --curve --out curve.json        # time and memory against N (for the plot)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+from ppo_logprobs.workers import fused_log_probs
+from ppo_logprobs.workers.triton_log_probs_backward import triton_log_probs_backward
+from ppo_logprobs.workers.triton_log_probs_forward import TileConfig, tile_config, triton_log_probs_forward
+from triton.testing import do_bench
+
+SHAPES = [(4096, 4096, 128256), (8192, 4096, 151936), (32768, 4096, 151936)]
+SAMPLE_ROWS = 256
+
+
+def make_inputs(n: int, h: int, v: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / math.sqrt(h))).bfloat16()  # logits ~ N(0, 4)
+    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+    return hidden, weight, labels
+
+
+def naive(hidden, weight, labels):
+    logits = (hidden @ weight.T).float()
+    log_p = logits.log_softmax(-1)
+    return log_p.gather(-1, labels[:, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+
+def ours(backend):
+    return lambda hidden, weight, labels: fused_log_probs(hidden, weight, labels, backend=backend)
+
+
+def reference_rows(hidden, weight, labels, rows):
+    logits = hidden[rows].double() @ weight.double().T
+    log_p = logits.log_softmax(-1)
+    return log_p.gather(-1, labels[rows, None])[:, 0], -(log_p.exp() * log_p).sum(-1)
+
+
+def peak_extra(fn) -> float:
+    """Peak memory allocated by fn beyond what was allocated before it, in bytes."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=100, rep=400, return_mode="median")
+
+
+def measure_forward(name, fn, hidden, weight, labels, floor_ms, rows, ref):
+    with torch.no_grad():
+        try:
+            mem = peak_extra(lambda: fn(hidden, weight, labels))
+            ms = bench(lambda: fn(hidden, weight, labels))
+            lp, ent = fn(hidden, weight, labels)
+        except torch.OutOfMemoryError:
+            return dict(impl=name, mode="forward", oom=True)
+    err_lp = float((lp[rows].double() - ref[0]).abs().max())
+    err_ent = float((ent[rows].double() - ref[1]).abs().max())
+    del lp, ent
+    return dict(impl=name, mode="forward", ms=ms, ratio=ms / floor_ms, extra_bytes=mem, err_lp=err_lp, err_ent=err_ent)
+
+
+def measure_backward(name, fn, hidden, weight, labels, floor_ms, g_lp, g_ent):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+
+    def step():
+        lp, ent = fn(h, w, labels)
+        torch.autograd.backward([lp, ent], [g_lp, g_ent])
+
+    try:
+        mem = peak_extra(step)
+        ms = do_bench(step, warmup=100, rep=400, grad_to_none=[h, w], return_mode="median")
+    except torch.OutOfMemoryError:
+        return dict(impl=name, mode="forward+backward", oom=True)
+    return dict(impl=name, mode="forward+backward", ms=ms, ratio=ms / floor_ms, extra_bytes=mem)
+
+
+def run_table(shapes, impls, backward: bool):
+    results = []
+    for n, h, v in shapes:
+        hidden, weight, labels = make_inputs(n, h, v)
+        rows = torch.randperm(n, device="cuda")[:SAMPLE_ROWS]
+        ref = reference_rows(hidden, weight, labels, rows)
+        floor = bench(lambda: hidden @ weight.T)
+        tflops = 2 * n * h * v / floor / 1e9
+        print(f"# {n}x{h}x{v}: floor forward {floor:.3f} ms ({tflops:.0f} TFLOP/s)", flush=True)
+        for name, fn in impls.items():
+            r = measure_forward(name, fn, hidden, weight, labels, floor, rows, ref)
+            results.append(dict(shape=[n, h, v], floor_ms=floor, **r))
+            print(json.dumps(results[-1]), flush=True)
+        if backward:
+            d_logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
+            floor3 = bench(lambda: (hidden @ weight.T, d_logits @ weight, d_logits.T @ hidden))
+            del d_logits
+            g_lp, g_ent = torch.randn(2, n, device="cuda")
+            print(f"# {n}x{h}x{v}: floor forward+backward (3 GEMMs) {floor3:.3f} ms", flush=True)
+            for name, fn in impls.items():
+                if name == "torch":  # fp32 backward GEMMs: minutes at these shapes, and not the point
+                    continue
+                r = measure_backward(name, fn, hidden, weight, labels, floor3, g_lp, g_ent)
+                results.append(dict(shape=[n, h, v], floor_ms=floor3, **r))
+                print(json.dumps(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def run_sweep(shapes):
+    base = tile_config(torch.bfloat16)
+    variants = {
+        "default": base,
+        "s4": TileConfig(128, 256, 64, 16, 8, 8, 4),
+        "128x128w4s4": TileConfig(128, 128, 64, 16, 8, 4, 4),
+        "128x128w8s4": TileConfig(128, 128, 64, 16, 8, 8, 4),
+        "256x128w8s3": TileConfig(256, 128, 64, 16, 8, 8, 3),
+        "splits16g8": TileConfig(128, 256, 64, 16, 8, 8, 3),
+        "splits32g4": TileConfig(128, 256, 64, 32, 4, 8, 3),
+        "k32s5": TileConfig(128, 256, 32, 16, 8, 8, 5),
+    }
+    results = []
+    for n, h, v in shapes:
+        hidden, weight, labels = make_inputs(n, h, v)
+        inv_t = torch.ones(n, device="cuda")
+        floor = bench(lambda: hidden @ weight.T)
+        ref_lp, ref_ent, lse = triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100,
+                                                        compute_entropy=True, config=base)
+        g = torch.randn(n, device="cuda")
+        for name, cfg in variants.items():
+            try:
+                fwd = lambda: triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100,
+                                                       compute_entropy=True, config=cfg)
+                lp, ent, _ = fwd()
+                ms_f = bench(fwd)
+                bwd = lambda: triton_log_probs_backward(hidden, weight, labels, inv_t, lse, ref_ent, g, g,
+                                                        ignore_index=-100, config=cfg)
+                ms_b = bench(bwd)
+                diff = float((lp - ref_lp).abs().max())
+            except Exception as e:  # a config that does not compile or fit is reported, not fatal
+                print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            results.append(dict(shape=[n, h, v], config=name, fwd_ms=ms_f, fwd_ratio=ms_f / floor, bwd_ms=ms_b,
+                                bwd_ratio_vs_2gemm=ms_b / (2 * floor), max_diff_vs_default=diff))
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def run_curve(h=4096, v=151936):
+    results = []
+    for n in (1024, 2048, 4096, 8192, 16384, 32768):
+        hidden, weight, labels = make_inputs(n, h, v)
+        with torch.no_grad():
+            for name, fn in (("naive", naive), ("triton", ours("triton"))):
+                try:
+                    mem = peak_extra(lambda: fn(hidden, weight, labels))
+                    ms = bench(lambda: fn(hidden, weight, labels))
+                except torch.OutOfMemoryError:
+                    continue
+                results.append(dict(n=n, impl=name, ms=ms, extra_bytes=mem))
+                print(json.dumps(results[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def print_table(results):
+    print(f"{'shape':>22} {'mode':>17} {'impl':>7} {'ms':>9} {'ratio':>6} {'extra MiB':>10} {'err lp':>8} {'err ent':>8}")
+    for r in results:
+        shape = "x".join(map(str, r["shape"]))
+        if r.get("oom"):
+            print(f"{shape:>22} {r['mode']:>17} {r['impl']:>7}  OOM")
+            continue
+        errs = f"{r['err_lp']:8.1e} {r['err_ent']:8.1e}" if "err_lp" in r else ""
+        print(f"{shape:>22} {r['mode']:>17} {r['impl']:>7} {r['ms']:9.3f} {r['ratio']:6.3f} "
+              f"{r['extra_bytes'] / 2**20:10.1f} {errs}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", help="NxHxV, default: the three of BENCHMARKS.md")
+    parser.add_argument("--impls", default="naive,torch,triton", help="comma-separated: naive,torch,triton")
+    parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time tile configurations instead")
+    parser.add_argument("--curve", action="store_true", help="time and memory against N, naive vs triton")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    props = torch.cuda.get_device_properties(0)
+    meta = dict(gpu=props.name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    print(f"# {meta}", flush=True)
+    if args.sweep:
+        results = run_sweep(shapes)
+    elif args.curve:
+        results = run_curve()
+    else:
+        impls = {"naive": naive, "torch": ours("torch"), "triton": ours("triton")}
+        results = run_table(shapes, {k: impls[k] for k in args.impls.split(",")}, not args.no_backward)
+        print_table(results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
