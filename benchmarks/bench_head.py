@@ -182,7 +182,8 @@ def run_curve(h=4096, v=151936):
 
 
 def print_table(results):
-    print(f"{'shape':>22} {'mode':>17} {'impl':>7} {'ms':>9} {'ratio':>6} {'extra MiB':>10} {'err lp':>8} {'err ent':>8}")
+    head = ("shape", "mode", "impl", "ms", "ratio", "extra MiB", "err lp", "err ent")
+    print("{:>22} {:>17} {:>7} {:>9} {:>6} {:>10} {:>8} {:>8}".format(*head))
     for r in results:
         shape = "x".join(map(str, r["shape"]))
         if r.get("oom"):

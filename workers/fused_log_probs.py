@@ -58,10 +58,13 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
         raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, got shape {tuple(hidden.shape)}"
+            f"hidden must be [..., H] with H = weight.shape[1] = {weight.shape[1]}, "
+            f"got shape {tuple(hidden.shape)}"
         )
     if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without H), got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have shape {tuple(hidden.shape[:-1])} (hidden without H), got {tuple(labels.shape)}"
+        )
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
     if hidden.dtype != weight.dtype:
@@ -70,7 +73,9 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
     if hidden.dtype not in allowed:
         raise ValueError(f"dtype {hidden.dtype} is not supported by backend {backend!r}; use one of {allowed}")
     if not (hidden.device == weight.device == labels.device):
-        raise ValueError(f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}")
+        raise ValueError(
+            f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
+        )
     vocab = weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
@@ -87,14 +92,16 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
     if isinstance(temperature, Tensor) and temperature.dim() > 0:
         if temperature.shape != labels.shape:
             raise ValueError(
-                f"a temperature tensor must have the shape of labels {tuple(labels.shape)}, got {tuple(temperature.shape)}"
+                f"a temperature tensor must have the shape of labels {tuple(labels.shape)}, "
+                f"got {tuple(temperature.shape)}"
             )
         t = temperature.to(device=labels.device, dtype=torch.float32)
         bad = ~(torch.isfinite(t) & (t > 0))
         if bool(bad.any()):
             first = int(bad.flatten().nonzero()[0])
             raise ValueError(
-                f"temperature{_position(first, labels.shape)} = {float(t.flatten()[first])} must be a positive finite number"
+                f"temperature{_position(first, labels.shape)} = {float(t.flatten()[first])} "
+                "must be a positive finite number"
             )
         return (1.0 / t).flatten().contiguous()
     value = float(temperature)

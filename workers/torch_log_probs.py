@@ -27,18 +27,19 @@ def mm_fp32(a: Tensor, b: Tensor, out_dtype: torch.dtype | None = None) -> Tenso
     return (a.to(acc) @ b.to(acc)).to(out_dtype)
 
 
+def _pad_rows(t: Tensor, size: int, value: float) -> Tensor:
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]), value=value)
+
+
 def _chunk_logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor, start: int, chunk_size: int) -> Tensor:
     """Logits of rows [start, start + chunk_size), fp32 (fp64 for fp64 inputs), shaped [chunk_size, V].
 
-    ## NB: the last chunk is zero-padded to chunk_size rows, so every matmul has one shape and a token's
-    logits cannot depend on how many other tokens share the call (cuBLAS and CPU BLAS pick kernels by shape).
+    ## NB: the last chunk is zero-padded to chunk_size rows, and callers reduce over the whole padded chunk, so
+    every matmul and softmax launch has one shape: cuBLAS, CPU BLAS and the CUDA reductions pick their kernels
+    by shape, and a token's result must not depend on how many other tokens share the call.
     """
-    h = hidden[start : start + chunk_size]  # [C, H]
-    t = inv_temp[start : start + chunk_size]  # [C]
-    pad = chunk_size - h.shape[0]
-    if pad:
-        h = torch.nn.functional.pad(h, (0, 0, 0, pad))
-        t = torch.nn.functional.pad(t, (0, pad), value=1.0)
+    h = _pad_rows(hidden[start : start + chunk_size], chunk_size, 0.0)  # [C, H]
+    t = _pad_rows(inv_temp[start : start + chunk_size], chunk_size, 1.0)  # [C]
     logits = mm_fp32(h, weight.T)
     return logits * t[:, None].to(logits.dtype)
 
@@ -61,17 +62,17 @@ def torch_log_probs_forward(
     lse = torch.zeros_like(log_probs)
     for start in range(0, n, chunk_size):
         rows = min(chunk_size, n - start)
-        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)[:rows]  # [rows, V]
-        chunk_lse = torch.logsumexp(logits, dim=-1)
-        lab = labels[start : start + rows]
+        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)  # [C, V]
+        lab = _pad_rows(labels[start : start + rows], chunk_size, ignore_index)  # [C]
         ignored = lab == ignore_index
+        chunk_lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, torch.where(ignored, 0, lab)[:, None])[:, 0]
-        log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse).float()
-        lse[start : start + rows] = chunk_lse.float()
+        log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse)[:rows].float()
+        lse[start : start + rows] = chunk_lse[:rows].float()
         if entropy is not None:
             probs = torch.softmax(logits, dim=-1)
             ent = chunk_lse - (probs * logits).sum(-1)
-            entropy[start : start + rows] = torch.where(ignored, 0.0, ent).float()
+            entropy[start : start + rows] = torch.where(ignored, 0.0, ent)[:rows].float()
     return log_probs, entropy, lse
 
 

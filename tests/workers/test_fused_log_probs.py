@@ -76,7 +76,7 @@ def test_gradients_match_float64(backend, dtype, which):
     g_ent = torch.randn(5, 9, generator=g).to(DEVICE) * (which != "log_probs")
 
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = fused_log_probs(h1, w1, labels, temperature, backend=backend)
+    lp, ent = fused_log_probs(h1, w1, labels, temperature, backend=backend, chunk_size=16)  # torch: 3 chunks
     loss = (lp * g_lp).sum() if which == "log_probs" else (lp * g_lp + ent * g_ent).sum()
     loss.backward()
 
@@ -88,6 +88,23 @@ def test_gradients_match_float64(backend, dtype, which):
     assert rel_err(h1.grad, h2.grad) <= GRAD_TOL[dtype]
     assert rel_err(w1.grad, w2.grad) <= GRAD_TOL[dtype]
     assert (h1.grad[1, 2] == 0).all()  # an ignored token gets no gradient
+
+
+def test_triton_backward_vocabulary_chunks_agree():
+    """The Triton backward writes d_logits one vocabulary chunk at a time; the chunking must not matter."""
+    from ppo_logprobs.workers.triton_log_probs_backward import triton_log_probs_backward
+    from ppo_logprobs.workers.triton_log_probs_forward import triton_log_probs_forward
+
+    hidden, weight, labels = make_inputs(50, 32, 203, torch.float32, seed=14)
+    inv_t = torch.full((50,), 0.8, device=DEVICE)
+    lp, ent, lse = triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100, compute_entropy=True)
+    g = torch.randn(2, 50, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    args = (hidden, weight, labels, inv_t, lse, ent, g[0], g[1])
+    whole = triton_log_probs_backward(*args, ignore_index=-100)
+    for chunk_bytes in (50 * 4 * 32, 50 * 4 * 100):  # one tile per chunk; chunks not a multiple of V
+        parts = triton_log_probs_backward(*args, ignore_index=-100, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(parts[0], whole[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(parts[1], whole[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -112,7 +129,8 @@ def test_temperature_float_and_tensor(backend):
     assert_close_to_reference(lp, ent, hidden, weight, labels, temps)
     # a per-token temperature equals scoring each token alone at its own temperature
     for i in (0, 16, 32):
-        one_lp, one_ent = fused_log_probs(hidden[i : i + 1], weight, labels[i : i + 1], float(temps[i]), backend=backend)
+        one = slice(i, i + 1)
+        one_lp, one_ent = fused_log_probs(hidden[one], weight, labels[one], float(temps[i]), backend=backend)
         torch.testing.assert_close(one_lp[0], lp[i], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(one_ent[0], ent[i], rtol=1e-5, atol=1e-6)
 
