@@ -177,6 +177,10 @@ def test_single_entry_vocabulary(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_invariance(backend):
     """A token's outputs are bitwise the same whatever else shares its call."""
+    if backend == "torch" and DEVICE == "cuda":
+        # cuBLAS may split a product's reduction differently for different output tiles (seen on an H200), so a
+        # token's logits depend on its row in the chunk. Triton, the CUDA default, fixes the order itself.
+        pytest.skip("the torch backend is batch invariant on the CPU only")
     hidden, weight, labels = make_inputs(70, 40, 203, torch.bfloat16, seed=12)
     temps = torch.rand(70, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 0.5
     lp, ent = fused_log_probs(hidden, weight, labels, temps, backend=backend)
