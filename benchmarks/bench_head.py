@@ -16,11 +16,12 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 
 import torch
 from ppo_logprobs.workers import fused_log_probs
 from ppo_logprobs.workers.triton_log_probs_backward import triton_log_probs_backward
-from ppo_logprobs.workers.triton_log_probs_forward import TileConfig, tile_config, triton_log_probs_forward
+from ppo_logprobs.workers.triton_log_probs_forward import tile_config, triton_log_probs_forward
 from triton.testing import do_bench
 
 SHAPES = [(4096, 4096, 128256), (8192, 4096, 151936), (32768, 4096, 151936)]
@@ -129,13 +130,13 @@ def run_sweep(shapes):
     base = tile_config(torch.bfloat16)
     variants = {
         "default": base,
-        "s4": TileConfig(128, 256, 64, 16, 8, 8, 4),
-        "128x128w4s4": TileConfig(128, 128, 64, 16, 8, 4, 4),
-        "128x128w8s4": TileConfig(128, 128, 64, 16, 8, 8, 4),
-        "256x128w8s3": TileConfig(256, 128, 64, 16, 8, 8, 3),
-        "splits16g8": TileConfig(128, 256, 64, 16, 8, 8, 3),
-        "splits32g4": TileConfig(128, 256, 64, 32, 4, 8, 3),
-        "k32s5": TileConfig(128, 256, 32, 16, 8, 8, 5),
+        "pointers": replace(base, tma=False),
+        "s4": replace(base, num_stages=4),
+        "k128s3": replace(base, block_h=128, num_stages=3),
+        "k128s2": replace(base, block_h=128, num_stages=2),
+        "splits16g8": replace(base, num_splits=16, group_r=8),
+        "256x128": replace(base, block_n=256, block_v=128),
+        "g32": replace(base, group_r=32),
     }
     results = []
     for n, h, v in shapes:

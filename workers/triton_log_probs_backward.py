@@ -13,14 +13,23 @@ import triton.language as tl
 from torch import Tensor
 
 from .torch_log_probs import mm_fp32
-from .triton_log_probs_forward import LOG2E, TileConfig, _grouped_tile, _logits_tile, dot_precision, tile_config
+from .triton_log_probs_forward import (
+    LOG2E,
+    TileConfig,
+    _grouped_tile,
+    _logits_tile,
+    dot_precision,
+    tile_config,
+    tile_operands,
+)
 
 
 @triton.jit
 def _triton_grad_logits_kernel(
-    hidden_ptr, weight_ptr, labels_ptr, inv_temp_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, d_logits_ptr,
+    hidden, weight, labels_ptr, inv_temp_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, d_logits_ptr,
     N, V, H, v_start, v_count, stride_hn, stride_wv, stride_dn,
     HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rb, cb = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(v_count, BLOCK_V), GROUP_R)
@@ -28,8 +37,8 @@ def _triton_grad_logits_kernel(
     local_cols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v_start + local_cols
     rows_in = rows % N
-    acc = _logits_tile(hidden_ptr, weight_ptr, rows_in, cols % V, H, stride_hn, stride_wv,
-                       BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION)
+    acc = _logits_tile(hidden, weight, rb * BLOCK_N, v_start + cb * BLOCK_V, rows_in, cols % V, H, stride_hn,
+                       stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, USE_TMA)
     inv_t = tl.load(inv_temp_ptr + rows_in)
     lse = tl.load(lse_ptr + rows_in)
     z = acc * inv_t[:, None]  # [BLOCK_N, BLOCK_V]
@@ -77,15 +86,16 @@ def triton_log_probs_backward(
     d_logits = torch.empty(n, chunk, dtype=hidden.dtype, device=hidden.device)
     d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
     d_weight = torch.empty_like(weight) if need_weight else None
+    h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     for v0 in range(0, v, chunk):
         vc = min(chunk, v - v0)
         grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(vc, cfg.block_v),)
         _triton_grad_logits_kernel[grid](
-            hidden, weight, labels, inv_temp, lse, entropy if entropy is not None else lse,
+            h_arg, w_arg, labels, inv_temp, lse, entropy if entropy is not None else lse,
             g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, d_logits,
             n, v, h, v0, vc, hidden.stride(0), weight.stride(0), d_logits.stride(0),
             HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None, EVEN_H=h % cfg.block_h == 0,
-            DOT_PRECISION=dot_precision(hidden.dtype), GROUP_R=cfg.group_r,
+            DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

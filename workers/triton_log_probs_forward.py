@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
@@ -31,6 +32,7 @@ class TileConfig:
     group_r: int  # row blocks scheduled side by side, for L2 reuse
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = True  # read tiles with the copy engine (Hopper and later) when H allows
 
 
 def interpreting() -> bool:
@@ -70,39 +72,72 @@ def _grouped_tile(pid, num_row_blocks, num_cols, GROUP_R: tl.constexpr):
 
 
 @triton.jit
+def _dot(h, w, acc, DOT_PRECISION: tl.constexpr):
+    if DOT_PRECISION == "ieee-widen":
+        return tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _logits_tile(
-    hidden_ptr, weight_ptr, rows, cols, H, stride_hn, stride_wv,
+    hidden, weight, row0, col0, rows, cols, H, stride_hn, stride_wv,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """hidden[rows] @ weight[cols].T in fp32: [BLOCK_N, BLOCK_V]. rows and cols must be in range."""
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ptrs = hidden_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
-    w_ptrs = weight_ptr + cols.to(tl.int64)[None, :] * stride_wv + offs_h[:, None]  # [BLOCK_H, BLOCK_V]
+    """hidden[row0:][:BLOCK_N] @ weight[col0:][:BLOCK_V].T in fp32: [BLOCK_N, BLOCK_V].
+
+    With USE_TMA, hidden and weight are tensor descriptors (the copy engine zero-fills past the edges);
+    otherwise pointers, read at rows and cols, which must be in range.
+    """
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_H)):
-        if EVEN_H:
-            h = tl.load(h_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_h < H - k * BLOCK_H
-            h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_PRECISION == "ieee-widen":
-            acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_H
-        w_ptrs += BLOCK_H
+    if USE_TMA:
+        for k in range(0, tl.cdiv(H, BLOCK_H)):
+            h = hidden.load([row0, k * BLOCK_H])  # [BLOCK_N, BLOCK_H]
+            w = weight.load([col0, k * BLOCK_H])  # [BLOCK_V, BLOCK_H]
+            acc = _dot(h, w.T, acc, DOT_PRECISION)
+    else:
+        offs_h = tl.arange(0, BLOCK_H)
+        h_ptrs = hidden + rows.to(tl.int64)[:, None] * stride_hn + offs_h[None, :]  # [BLOCK_N, BLOCK_H]
+        w_ptrs = weight + cols.to(tl.int64)[None, :] * stride_wv + offs_h[:, None]  # [BLOCK_H, BLOCK_V]
+        for k in range(0, tl.cdiv(H, BLOCK_H)):
+            if EVEN_H:
+                h = tl.load(h_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = offs_h < H - k * BLOCK_H
+                h = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = _dot(h, w, acc, DOT_PRECISION)
+            h_ptrs += BLOCK_H
+            w_ptrs += BLOCK_H
     return acc
+
+
+def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[object, object, bool]:
+    """What _logits_tile reads: tensor descriptors for the copy engine where the chip and H allow, else pointers.
+
+    The choice depends on the device, dtype and H only, never on N, so it cannot change a token's bits.
+    """
+    row_bytes = hidden.shape[1] * hidden.element_size()
+    hopper = interpreting() or (hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] >= 9)
+    if not (cfg.tma and hopper and row_bytes % 16 == 0):
+        return hidden, weight, False
+    # the copy engine needs 16-byte aligned rows; an odd view is copied (same values, same bits out)
+    hidden, weight = (t if t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 else t.clone()
+                      for t in (hidden, weight))
+    return (
+        TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_h]),
+        TensorDescriptor.from_tensor(weight, [cfg.block_v, cfg.block_h]),
+        True,
+    )
 
 
 @triton.jit
 def _triton_log_probs_forward_kernel(
-    hidden_ptr, weight_ptr, labels_ptr, inv_temp_ptr,
+    hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
     N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits,
-    COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_R)
@@ -120,8 +155,8 @@ def _triton_log_probs_forward_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
     for t in range(tile_lo, tile_hi):
         cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
-        acc = _logits_tile(hidden_ptr, weight_ptr, rows_in, cols % V, H, stride_hn, stride_wv,
-                           BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION)
+        acc = _logits_tile(hidden, weight, rb * BLOCK_N, t * BLOCK_V, rows_in, cols % V, H, stride_hn, stride_wv,
+                           BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, USE_TMA)
         z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
         m_new = tl.maximum(m, tl.max(z, axis=1))
         d = z - m_new[:, None]
@@ -199,11 +234,12 @@ def triton_log_probs_forward(
     part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
     label_logit = torch.empty(n, **f32)
     grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
+    h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
-        hidden, weight, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
+        h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
         n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits,
         COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
-        DOT_PRECISION=dot_precision(hidden.dtype), GROUP_R=cfg.group_r,
+        DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
