@@ -123,7 +123,7 @@ def test_triton_copy_engine_and_pointer_reads_agree(dtype):
         triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100, compute_entropy=True, config=c)
         for c in (cfg, replace(cfg, tma=False))
     ]
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
