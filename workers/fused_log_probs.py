@@ -181,9 +181,9 @@ def fused_log_probs(
         flat_hidden = flat_hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     flat_labels = labels.reshape(-1).to(torch.int64)
-    if flat_labels.numel() == 0:
-        empty = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
-        return empty + 0.0 * hidden.sum() + 0.0 * weight.sum(), (empty.clone() if compute_entropy else None)
+    if flat_labels.numel() == 0:  # no kernel for no tokens; the empty result still carries hidden's graph
+        empty = hidden.sum(-1, dtype=torch.float32)
+        return empty, (empty.clone() if compute_entropy else None)
     log_probs, entropy = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts)
     return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
