@@ -1,0 +1,110 @@
+"""Patched HuggingFace models against the unpatched model's own logits (fp32, tiny random configs)."""
+
+import pytest
+import torch
+import transformers
+from ppo_logprobs.workers import load_model, patch_model
+from torch import nn
+
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+}
+
+
+def tiny(family, tied=False, **extra):
+    config_cls, model_cls = FAMILIES[family]
+    config = config_cls(**SMALL, tie_word_embeddings=tied, **extra)
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def reference(model, input_ids, attention_mask, temperature=1.0):
+    """log_softmax of the unpatched model's logits (the class's own forward), aligned to the next token."""
+    logits = type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    t = temperature[..., None] if isinstance(temperature, torch.Tensor) else temperature
+    log_p = (logits / t).log_softmax(-1)
+    lp = log_p[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
+    ent = -(log_p.exp() * log_p).sum(-1)[:, :-1]
+    return lp, ent
+
+
+def batch(padding_side, lengths=(11, 7, 3), total=11, vocab=97):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (len(lengths), total), generator=g)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if padding_side == "right":
+            mask[b, :n] = 1
+        else:
+            mask[b, total - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_patched_model_matches_its_logits(family, tied, padding_side):
+    model = tiny(family, tied)
+    ids, mask = batch(padding_side)
+    temps = torch.linspace(0.5, 2.0, ids.numel()).view(ids.shape)
+    for temperature in (1.0, 0.7, temps):
+        ref_lp, ref_ent = reference(model, ids, mask, temperature)
+        patch_model(model, backend="torch")
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, temperature=temperature)
+        assert out.logits is None and out.log_probs.shape == ids.shape and out.entropy.shape == ids.shape
+        real = (mask[:, :-1] * mask[:, 1:]).bool()  # scored positions: this token and the next are real
+        torch.testing.assert_close(out.log_probs[:, :-1][real], ref_lp[real].detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.entropy[:, :-1][real], ref_ent[real].detach(), rtol=0, atol=1e-5)
+        assert (out.log_probs[:, -1] == 0).all()
+        assert (out.log_probs[:, :-1][~real] == 0).all() and (out.entropy[:, :-1][~real] == 0).all()
+        del model.forward  # back to the class's forward for the next reference
+
+
+def test_patch_touches_only_the_instance():
+    a, b = tiny("qwen2"), tiny("qwen2")
+    patch_model(a, backend="torch")
+    ids = torch.randint(0, 97, (1, 5))
+    assert type(b).forward is transformers.Qwen2ForCausalLM.forward
+    assert b(input_ids=ids).logits is not None
+    assert a(input_ids=ids).logits is None
+
+
+def test_refusals_name_the_reason():
+    gemma = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=30.0)
+    )
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        patch_model(gemma)
+    model = tiny("llama")
+    model.lm_head.bias = nn.Parameter(torch.zeros(97))
+    with pytest.raises(ValueError, match="has a bias"):
+        patch_model(model)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=97))
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        patch_model(gpt2)
+
+
+def test_load_round_trips_through_save_pretrained(tmp_path):
+    model = load_model("tiny", dtype=torch.float32, backend="torch")
+    ids, mask = batch("right", vocab=model.config.vocab_size)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask)
+    del model.forward
+    model.save_pretrained(tmp_path)
+    assert any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
+    loaded = load_model(str(tmp_path), dtype=torch.float32, backend="torch")
+    with torch.no_grad():
+        after = loaded(input_ids=ids, attention_mask=mask)
+    assert torch.equal(before.log_probs, after.log_probs) and torch.equal(before.entropy, after.entropy)
+
+
+def test_load_never_fetches(tmp_path):
+    with pytest.raises(OSError):
+        load_model(str(tmp_path / "no-such-model"))

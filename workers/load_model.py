@@ -1,0 +1,50 @@
+"""Load a HuggingFace causal LM from a local directory (or the built-in "tiny" model) and patch it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from .fused_log_probs import Backend
+from .patch_model import patch_model
+
+# A real Qwen2 architecture, small enough for CPU tests and demos; its weights are random with a fixed seed.
+TINY_CONFIG = dict(
+    vocab_size=503, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
+)
+
+
+def _tiny_model(attn_implementation: str | None) -> nn.Module:
+    config = Qwen2Config(**TINY_CONFIG)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(config)
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+    backend: Backend = "auto",
+) -> nn.Module:
+    """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
+
+    Nothing is fetched from a hub: a name that is not a local directory fails.
+    """
+    if name_or_path == "tiny":
+        model = _tiny_model(attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True
+        )
+    if dtype is not None:
+        model = model.to(dtype)
+    if device is not None:
+        model = model.to(device)
+    return patch_model(model.eval(), backend=backend)

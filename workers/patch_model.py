@@ -1,0 +1,106 @@
+"""Patch one HuggingFace causal LM instance so that it returns per-token log_probs and entropy.
+
+After `patch_model(model)`, `model(input_ids, attention_mask=..., position_ids=..., temperature=1.0)` runs the
+decoder body only and scores its last hidden states with the fused head against the next tokens:
+log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1]), and entropy[b, t] that distribution's
+entropy; both [B, T], fp32, and 0 where there is no next token (the last position, padding on either side).
+No [B, T, V] logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .fused_log_probs import Backend, fused_log_probs
+
+_IGNORE = -100
+
+# model_type -> what the head does beyond `hidden @ lm_head.weight.T`. A family whose head does more (final
+# logit softcapping, a logit scale) is listed with the config field that says so, and refused until the fused
+# head applies it: it is never scored approximately.
+_FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": (),
+    "mistral": (),
+    "qwen2": (),
+    "qwen3": (),
+    "phi3": (),
+    "gemma2": ("final_logit_softcapping",),
+    "gemma3_text": ("final_logit_softcapping",),
+    "cohere": ("logit_scale",),
+}
+
+
+@dataclass
+class CausalLMOutputForPPO(CausalLMOutputWithPast):
+    """A causal LM's output with per-token `log_probs` and `entropy` ([B, T], fp32) instead of logits."""
+
+    log_probs: torch.FloatTensor | None = None
+    entropy: torch.FloatTensor | None = None
+
+
+def _check_head(model: nn.Module) -> None:
+    """Raises ValueError naming the reason when the fused head cannot score this model exactly."""
+    config = model.config
+    family = getattr(config, "model_type", None)
+    if family not in _FAMILIES:
+        raise ValueError(
+            f"cannot patch model_type {family!r}: its LM head is not known to be a plain linear layer "
+            f"(supported: {', '.join(k for k, v in _FAMILIES.items() if not v)})"
+        )
+    for field in _FAMILIES[family]:
+        if getattr(config, field, None) not in (None, 1.0):
+            raise ValueError(
+                f"cannot patch model_type {family!r}: its head applies {field}={getattr(config, field)}, "
+                "which the fused head does not apply yet; scoring without it would be wrong"
+            )
+    head = model.get_output_embeddings()
+    name = type(model).__name__
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"cannot patch {name}: its output embedding is {type(head).__name__}, not nn.Linear")
+    if head.bias is not None:
+        raise ValueError(f"cannot patch {name}: its LM head has a bias, which the fused head does not add")
+
+
+def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """labels[b, t] = input_ids[b, t + 1], or -100 where position t or t + 1 is padding, and at t = T - 1."""
+    labels = torch.roll(input_ids, shifts=-1, dims=-1)
+    labels[..., -1] = _IGNORE
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        both = real & torch.roll(real, shifts=-1, dims=-1)
+        labels = labels.masked_fill(~both, _IGNORE)
+    return labels
+
+
+def _forward_for_ppo(
+    self: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    temperature: float | Tensor = 1.0,
+    *,
+    backend: Backend,
+    **kwargs,
+) -> CausalLMOutputForPPO:
+    kwargs["use_cache"] = False  # scoring never decodes further
+    body = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    hidden = body.last_hidden_state  # [B, T, H]
+    labels = next_token_labels(input_ids, attention_mask)  # [B, T]
+    weight = self.get_output_embeddings().weight  # [V, H]
+    log_probs, entropy = fused_log_probs(hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend)
+    return CausalLMOutputForPPO(
+        log_probs=log_probs, entropy=entropy, hidden_states=body.hidden_states, attentions=body.attentions
+    )
+
+
+def patch_model(model: nn.Module, backend: Backend = "auto") -> nn.Module:
+    """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward."""
+    _check_head(model)
+    model.forward = types.MethodType(partial(_forward_for_ppo, backend=backend), model)
+    return model
