@@ -25,6 +25,7 @@ class HeadOptions:
     ignore_index: int = -100
     compute_entropy: bool = True
     chunk_size: int = 512  # tokens per chunk of the torch backend
+    softcap: float | None = None  # final-logit softcapping: logits -> softcap * tanh(logits / softcap)
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
@@ -118,12 +119,13 @@ class _FusedLogProbs(torch.autograd.Function):
             from .triton_log_probs_forward import triton_log_probs_forward
 
             log_probs, entropy, lse = triton_log_probs_forward(
-                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index, compute_entropy=opts.compute_entropy
+                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index,
+                compute_entropy=opts.compute_entropy, softcap=opts.softcap,
             )
         else:
             log_probs, entropy, lse = torch_log_probs_forward(
                 hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index,
-                compute_entropy=opts.compute_entropy, chunk_size=opts.chunk_size,
+                compute_entropy=opts.compute_entropy, chunk_size=opts.chunk_size, softcap=opts.softcap,
             )
         ctx.save_for_backward(hidden, weight, labels, inv_temp, lse, entropy)
         ctx.opts = opts
@@ -136,7 +138,9 @@ class _FusedLogProbs(torch.autograd.Function):
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, None, None, None
         opts: HeadOptions = ctx.opts
-        kwargs = dict(ignore_index=opts.ignore_index, need_hidden=need_hidden, need_weight=need_weight)
+        kwargs = dict(
+            ignore_index=opts.ignore_index, need_hidden=need_hidden, need_weight=need_weight, softcap=opts.softcap
+        )
         args = (hidden, weight, labels, inv_temp, lse, entropy, grad_log_probs, grad_entropy)
         if opts.backend == "triton":
             from .triton_log_probs_backward import triton_log_probs_backward
@@ -157,11 +161,14 @@ def fused_log_probs(
     compute_entropy: bool = True,
     backend: Backend = "auto",
     chunk_size: int = 512,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(labels | hidden) and the entropy of the same distribution, per token, from the LM head weight.
 
     hidden: [..., H]; weight: [V, H]; labels: [...] (integers in [0, V) or `ignore_index`);
     temperature: a positive float or a tensor shaped like labels (divides the logits).
+    softcap: final-logit softcapping (Gemma 2 and 3): logits = softcap * tanh(hidden @ weight.T / softcap),
+    applied before the temperature.
     Returns (log_probs, entropy), fp32 and shaped like labels; entropy is None when compute_entropy=False.
     Ignored tokens give 0 and no gradient. Differentiable in hidden and weight.
     """
@@ -170,9 +177,12 @@ def fused_log_probs(
         ignore_index=ignore_index,
         compute_entropy=compute_entropy,
         chunk_size=chunk_size,
+        softcap=None if softcap is None else float(softcap),
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    if opts.softcap is not None and not (math.isfinite(opts.softcap) and opts.softcap > 0):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
     _check_inputs(hidden, weight, labels, ignore_index, opts.backend)
     inv_temp = _inverse_temperature(temperature, labels)
     shape = labels.shape

@@ -21,18 +21,17 @@ from .fused_log_probs import Backend, fused_log_probs
 
 _IGNORE = -100
 
-# model_type -> what the head does beyond `hidden @ lm_head.weight.T`. A family whose head does more (final
-# logit softcapping, a logit scale) is listed with the config field that says so, and refused until the fused
-# head applies it: it is never scored approximately.
-_FAMILIES: dict[str, tuple[str, ...]] = {
-    "llama": (),
-    "mistral": (),
-    "qwen2": (),
-    "qwen3": (),
-    "phi3": (),
-    "gemma2": ("final_logit_softcapping",),
-    "gemma3_text": ("final_logit_softcapping",),
-    "cohere": ("logit_scale",),
+# model_type -> how its head differs from `hidden @ lm_head.weight.T`, as data: the config field holding a
+# final-logit softcap that the fused head applies (Gemma 2 and 3). A family not listed is refused, never scored
+# approximately (e.g. Cohere's logit_scale, Granite's logits_scaling).
+_HEADS: dict[str, dict[str, str]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {},
+    "gemma2": {"softcap": "final_logit_softcapping"},
+    "gemma3_text": {"softcap": "final_logit_softcapping"},
 }
 
 
@@ -44,27 +43,25 @@ class CausalLMOutputForPPO(CausalLMOutputWithPast):
     entropy: torch.FloatTensor | None = None
 
 
-def _check_head(model: nn.Module) -> None:
-    """Raises ValueError naming the reason when the fused head cannot score this model exactly."""
+def head_softcap(model: nn.Module) -> float | None:
+    """The final-logit softcap the fused head must apply for this model; ValueError naming the reason when the
+    fused head cannot score it exactly."""
     config = model.config
     family = getattr(config, "model_type", None)
-    if family not in _FAMILIES:
-        raise ValueError(
-            f"cannot patch model_type {family!r}: its LM head is not known to be a plain linear layer "
-            f"(supported: {', '.join(k for k, v in _FAMILIES.items() if not v)})"
-        )
-    for field in _FAMILIES[family]:
-        if getattr(config, field, None) not in (None, 1.0):
-            raise ValueError(
-                f"cannot patch model_type {family!r}: its head applies {field}={getattr(config, field)}, "
-                "which the fused head does not apply yet; scoring without it would be wrong"
-            )
-    head = model.get_output_embeddings()
     name = type(model).__name__
+    if family not in _HEADS:
+        raise ValueError(
+            f"cannot patch {name} (model_type {family!r}): its LM head is not known to be a plain linear layer "
+            f"or one of the variants the fused head applies (supported: {', '.join(_HEADS)})"
+        )
+    head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"cannot patch {name}: its output embedding is {type(head).__name__}, not nn.Linear")
     if head.bias is not None:
         raise ValueError(f"cannot patch {name}: its LM head has a bias, which the fused head does not add")
+    field = _HEADS[family].get("softcap")
+    softcap = getattr(config, field, None) if field else None
+    return None if softcap is None else float(softcap)
 
 
 def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -86,6 +83,7 @@ def _forward_for_ppo(
     temperature: float | Tensor = 1.0,
     *,
     backend: Backend,
+    softcap: float | None,
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
@@ -93,7 +91,9 @@ def _forward_for_ppo(
     hidden = body.last_hidden_state  # [B, T, H]
     labels = next_token_labels(input_ids, attention_mask)  # [B, T]
     weight = self.get_output_embeddings().weight  # [V, H]
-    log_probs, entropy = fused_log_probs(hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend)
+    log_probs, entropy = fused_log_probs(
+        hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap
+    )
     return CausalLMOutputForPPO(
         log_probs=log_probs, entropy=entropy, hidden_states=body.hidden_states, attentions=body.attentions
     )
@@ -101,6 +101,6 @@ def _forward_for_ppo(
 
 def patch_model(model: nn.Module, backend: Backend = "auto") -> nn.Module:
     """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward."""
-    _check_head(model)
-    model.forward = types.MethodType(partial(_forward_for_ppo, backend=backend), model)
+    softcap = head_softcap(model)
+    model.forward = types.MethodType(partial(_forward_for_ppo, backend=backend, softcap=softcap), model)
     return model

@@ -1,7 +1,8 @@
 """The torch backend of the fused head: chunked over tokens, fp32 math; also the readable statement of the math.
 
 Both functions take flattened inputs: hidden [N, H], weight [V, H], labels [N] (int64), inv_temp [N] (fp32).
-Logits are z = (hidden @ weight.T) * inv_temp. For each token: lse = logsumexp(z),
+Logits are z = cap(hidden @ weight.T) * inv_temp, where cap(x) = softcap * tanh(x / softcap) when a final-logit
+softcap is given (Gemma 2 and 3) and x otherwise. For each token: lse = logsumexp(z),
 log_prob = z[label] - lse, entropy = lse - sum(softmax(z) * z).
 """
 
@@ -31,17 +32,23 @@ def _pad_rows(t: Tensor, size: int, value: float) -> Tensor:
     return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]), value=value)
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, inv_temp: Tensor, start: int, chunk_size: int) -> Tensor:
-    """Logits of rows [start, start + chunk_size), fp32 (fp64 for fp64 inputs), shaped [chunk_size, V].
+def _chunk_logits(
+    hidden: Tensor, weight: Tensor, inv_temp: Tensor, start: int, chunk_size: int, softcap: float | None
+) -> tuple[Tensor, Tensor]:
+    """Logits z of rows [start, start + chunk_size) and dz / d(hidden @ weight.T), fp32 (fp64 for fp64 inputs),
+    each [chunk_size, V] (the second may be [chunk_size, 1]).
 
     ## NB: the last chunk is zero-padded to chunk_size rows, and callers reduce over the whole padded chunk, so
     every matmul and softmax launch has one shape: cuBLAS, CPU BLAS and the CUDA reductions pick their kernels
     by shape, and a token's result must not depend on how many other tokens share the call.
     """
     h = _pad_rows(hidden[start : start + chunk_size], chunk_size, 0.0)  # [C, H]
-    t = _pad_rows(inv_temp[start : start + chunk_size], chunk_size, 1.0)  # [C]
-    logits = mm_fp32(h, weight.T)
-    return logits * t[:, None].to(logits.dtype)
+    raw = mm_fp32(h, weight.T)  # [C, V]
+    t = _pad_rows(inv_temp[start : start + chunk_size], chunk_size, 1.0)[:, None].to(raw.dtype)  # [C, 1]
+    if softcap is None:
+        return raw * t, t
+    th = torch.tanh(raw / softcap)
+    return th * (softcap * t), (1 - th * th) * t
 
 
 def torch_log_probs_forward(
@@ -53,6 +60,7 @@ def torch_log_probs_forward(
     ignore_index: int,
     compute_entropy: bool,
     chunk_size: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
     n = hidden.shape[0]
@@ -62,7 +70,7 @@ def torch_log_probs_forward(
     lse = torch.zeros_like(log_probs)
     for start in range(0, n, chunk_size):
         rows = min(chunk_size, n - start)
-        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)  # [C, V]
+        logits, _ = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size, softcap)  # [C, V]
         lab = _pad_rows(labels[start : start + rows], chunk_size, ignore_index)  # [C]
         ignored = lab == ignore_index
         chunk_lse = torch.logsumexp(logits, dim=-1)
@@ -90,10 +98,12 @@ def torch_log_probs_backward(
     chunk_size: int,
     need_hidden: bool = True,
     need_weight: bool = True,
+    softcap: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of sum(grad_log_probs * log_probs + grad_entropy * entropy) in hidden and weight.
 
-    d z_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy); d logits = d z * inv_temp.
+    d z_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (log p_j + entropy), and d(hidden @ weight.T) = d z * dz/dx
+    with dz/dx = inv_temp (times 1 - tanh^2 under a softcap).
     Gradients are accumulated in fp32 (fp64 for fp64 inputs) and rounded once to the input dtype.
     """
     n = hidden.shape[0]
@@ -104,7 +114,8 @@ def torch_log_probs_backward(
     for start in range(0, n, chunk_size):
         rows = min(chunk_size, n - start)
         sl = slice(start, start + rows)
-        logits = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size)[:rows]  # [rows, V]
+        logits, dz_dx = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size, softcap)
+        logits, dz_dx = logits[:rows], dz_dx[:rows]  # [rows, V], [rows, V or 1]
         log_p = logits - lse[sl, None].to(acc)
         probs = log_p.exp()
         keep = (labels[sl] != ignore_index).to(acc)[:, None]  # [rows, 1]
@@ -116,7 +127,7 @@ def torch_log_probs_backward(
         if grad_entropy is not None:
             g = grad_entropy[sl, None].to(acc) * keep
             d_logits -= g * probs * (log_p + entropy[sl, None].to(acc))
-        d_logits *= inv_temp[sl, None].to(acc)
+        d_logits *= dz_dx
         if d_hidden is not None:
             d_hidden[sl] = d_logits @ weight_c
         if d_weight is not None:

@@ -1,7 +1,8 @@
 """Triton backward of the fused head: recompute logit tiles, write d_logits one vocabulary chunk at a time,
 and let cuBLAS turn each chunk into d_hidden (accumulated in fp32) and d_weight (written once).
 
-d z_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (z_j - lse + entropy), p_j = exp(z_j - lse); d logits = d z * inv_temp.
+d z_j = g_lp * (onehot_j - p_j) - g_ent * p_j * (z_j - lse + entropy), p_j = exp(z_j - lse); d logits = d z * inv_temp
+(times 1 - tanh^2 under a final-logit softcap).
 Memory: one [N, chunk] d_logits buffer (about `chunk_bytes`), d_hidden in fp32, d_weight in the weight dtype.
 """
 
@@ -18,6 +19,7 @@ from .triton_log_probs_forward import (
     TileConfig,
     _grouped_tile,
     _logits_tile,
+    _tanh,
     dot_precision,
     tile_config,
     tile_operands,
@@ -27,8 +29,9 @@ from .triton_log_probs_forward import (
 @triton.jit
 def _triton_grad_logits_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr, lse_ptr, entropy_ptr, g_lp_ptr, g_ent_ptr, d_logits_ptr,
-    N, V, H, v_start, v_count, stride_hn, stride_wv, stride_dn,
-    HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    N, V, H, v_start, v_count, stride_hn, stride_wv, stride_dn, softcap,
+    SOFTCAP: tl.constexpr, HAS_G_LP: tl.constexpr, HAS_G_ENT: tl.constexpr, EVEN_H: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -41,6 +44,9 @@ def _triton_grad_logits_kernel(
                        stride_wv, BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, USE_TMA)
     inv_t = tl.load(inv_temp_ptr + rows_in)
     lse = tl.load(lse_ptr + rows_in)
+    if SOFTCAP:
+        th = _tanh(acc / softcap)
+        acc = softcap * th
     z = acc * inv_t[:, None]  # [BLOCK_N, BLOCK_V]
     p = tl.exp2((z - lse[:, None]) * LOG2E)
     grad = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
@@ -53,6 +59,8 @@ def _triton_grad_logits_kernel(
         ent = tl.load(entropy_ptr + rows_in)
         grad -= g[:, None] * p * (z - lse[:, None] + ent[:, None])
     grad *= inv_t[:, None]
+    if SOFTCAP:
+        grad *= 1.0 - th * th
     out = d_logits_ptr + rows.to(tl.int64)[:, None] * stride_dn + local_cols[None, :]
     ok = (rows < N)[:, None] & (local_cols < v_count)[None, :]
     tl.store(out, grad.to(d_logits_ptr.dtype.element_ty), mask=ok)
@@ -71,6 +79,7 @@ def triton_log_probs_backward(
     ignore_index: int,
     need_hidden: bool = True,
     need_weight: bool = True,
+    softcap: float | None = None,
     chunk_bytes: int = 2 << 30,
     config: TileConfig | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -93,8 +102,9 @@ def triton_log_probs_backward(
         _triton_grad_logits_kernel[grid](
             h_arg, w_arg, labels, inv_temp, lse, entropy if entropy is not None else lse,
             g_lp if g_lp is not None else lse, g_ent if g_ent is not None else lse, d_logits,
-            n, v, h, v0, vc, hidden.stride(0), weight.stride(0), d_logits.stride(0),
-            HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None, EVEN_H=h % cfg.block_h == 0,
+            n, v, h, v0, vc, hidden.stride(0), weight.stride(0), d_logits.stride(0), softcap or 1.0,
+            SOFTCAP=softcap is not None, HAS_G_LP=g_lp is not None, HAS_G_ENT=g_ent is not None,
+            EVEN_H=h % cfg.block_h == 0,
             DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -1,7 +1,8 @@
 """Triton forward of the fused head: one pass over vocabulary tiles, never writing [N, V] to memory.
 
 Each program owns BLOCK_N tokens and one vocabulary split (a fixed run of BLOCK_V tiles). For every tile it
-computes the logits with tensor-core dots and folds them into fp32 online statistics per token:
+computes the logits with tensor-core dots (capped by softcap * tanh(x / softcap) when a final-logit softcap is
+given) and folds them into fp32 online statistics per token:
   m = running max, s = sum exp(z - m), w = sum exp(z - m) * (z - m), and z[label] when the label is here.
 A small combine kernel merges the splits in a fixed order and gives log_prob, entropy and lse.
 The number of splits depends on V only, so a token's result never depends on how many tokens share the call.
@@ -72,6 +73,11 @@ def _grouped_tile(pid, num_row_blocks, num_cols, GROUP_R: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)  # exact limits: exp2 -> inf gives 1, -> 0 gives -1
+
+
+@triton.jit
 def _dot(h, w, acc, DOT_PRECISION: tl.constexpr):
     if DOT_PRECISION == "ieee-widen":
         return tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -136,8 +142,9 @@ def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[obje
 def _triton_log_probs_forward_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
-    N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits,
-    COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits, softcap,
+    SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_R)
@@ -157,6 +164,8 @@ def _triton_log_probs_forward_kernel(
         cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
         acc = _logits_tile(hidden, weight, rb * BLOCK_N, t * BLOCK_V, rows_in, cols % V, H, stride_hn, stride_wv,
                            BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, USE_TMA)
+        if SOFTCAP:
+            acc = softcap * _tanh(acc / softcap)
         z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
         m_new = tl.maximum(m, tl.max(z, axis=1))
         d = z - m_new[:, None]
@@ -220,6 +229,7 @@ def triton_log_probs_forward(
     *,
     ignore_index: int,
     compute_entropy: bool,
+    softcap: float | None = None,
     config: TileConfig | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
@@ -237,8 +247,8 @@ def triton_log_probs_forward(
     h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
         h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
-        n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits,
-        COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
+        n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits, softcap or 1.0,
+        SOFTCAP=softcap is not None, COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
         DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -5,13 +5,21 @@ from torch import Tensor
 
 
 def reference_log_probs(
-    hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float | Tensor = 1.0, ignore_index: int = -100
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float | Tensor = 1.0,
+    ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(log_probs, entropy) in float64, from hidden and weight upcast to float64 (gradients flow to both)."""
     h = hidden.to(torch.float64) if hidden.dtype != torch.float64 else hidden
     w = weight.to(torch.float64) if weight.dtype != torch.float64 else weight
     t = temperature.to(torch.float64)[..., None] if isinstance(temperature, Tensor) else float(temperature)
-    logits = (h @ w.T) / t  # [..., V]
+    logits = h @ w.T  # [..., V]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / t
     log_p = torch.log_softmax(logits, dim=-1)
     ignored = labels == ignore_index
     picked = log_p.gather(-1, labels.masked_fill(ignored, 0)[..., None])[..., 0]

@@ -156,6 +156,28 @@ def test_temperature_float_and_tensor(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_final_logit_softcap(backend, dtype):
+    """Gemma's cap: z = softcap * tanh(logits / softcap), then the temperature; values and gradients."""
+    hidden, weight, labels = make_inputs(45, 40, 203, dtype, seed=16, scale=40.0)  # logits well past the cap
+    temps = torch.rand(45, generator=torch.Generator().manual_seed(6)).to(DEVICE) + 0.5
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = fused_log_probs(h1, w1, labels, temps, backend=backend, softcap=30.0, chunk_size=16)
+    h2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref_lp, ref_ent = reference_log_probs(h2, w2, labels, temps, softcap=30.0)
+    # the capped logits are within 30 / 0.5 = 60 of zero
+    assert (lp.double() - ref_lp).abs().max() <= OUT_TOL * 61
+    assert (ent.double() - ref_ent).abs().max() <= OUT_TOL * 61
+    g = torch.randn(2, 45, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    (lp * g[0] + ent * g[1]).sum().backward()
+    (ref_lp * g[0] + ref_ent * g[1]).sum().backward()
+    assert rel_err(h1.grad, h2.grad) <= GRAD_TOL[dtype]
+    assert rel_err(w1.grad, w2.grad) <= GRAD_TOL[dtype]
+    uncapped, _ = fused_log_probs(hidden, weight, labels, temps, backend=backend)
+    assert (uncapped - lp).abs().max() > 1.0  # the cap matters at this scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ignore_index_gives_zero(backend):
     hidden, weight, labels = make_inputs(30, 16, 50, torch.bfloat16, seed=8)
     labels[::3] = -1
@@ -295,6 +317,8 @@ def test_shape_dtype_and_backend_errors(monkeypatch):
         fused_log_probs(hidden, weight, labels, backend="cuda")
     with pytest.raises(ValueError, match="chunk_size"):
         fused_log_probs(hidden, weight, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="softcap must be None or a positive finite number, got -1"):
+        fused_log_probs(hidden, weight, labels, softcap=-1.0)
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):

@@ -14,12 +14,17 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+# Gemma: a final-logit softcap small enough to bend these tiny models' logits, so that a head without it fails
+GEMMA = dict(head_dim=8, final_logit_softcapping=0.05)
+EXTRA = {"gemma2": GEMMA, "gemma3": GEMMA}
 
 
 def tiny(family, tied=False, **extra):
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(**SMALL, tie_word_embeddings=tied, **extra)
+    config = config_cls(**SMALL, tie_word_embeddings=tied, **{**EXTRA.get(family, {}), **extra})
     torch.manual_seed(0)
     return model_cls(config).eval()
 
@@ -76,12 +81,19 @@ def test_patch_touches_only_the_instance():
     assert a(input_ids=ids).logits is None
 
 
+def test_gemma_softcap_is_applied_in_the_head():
+    model = tiny("gemma2")
+    ids, mask = batch("right")
+    ref_lp, _ = reference(model, ids, mask)
+    model.config.final_logit_softcapping = None  # a head without the cap scores differently
+    ref_uncapped, _ = reference(model, ids, mask)
+    assert (ref_lp - ref_uncapped).abs().max() > 0.05
+
+
 def test_refusals_name_the_reason():
-    gemma = transformers.Gemma2ForCausalLM(
-        transformers.Gemma2Config(**SMALL, head_dim=8, final_logit_softcapping=30.0)
-    )
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
-        patch_model(gemma)
+    cohere = transformers.CohereForCausalLM(transformers.CohereConfig(**SMALL, logit_scale=0.5))
+    with pytest.raises(ValueError, match="model_type 'cohere'"):
+        patch_model(cohere)
     model = tiny("llama")
     model.lm_head.bias = nn.Parameter(torch.zeros(97))
     with pytest.raises(ValueError, match="has a bias"):
