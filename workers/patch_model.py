@@ -4,7 +4,8 @@ After `patch_model(model)`, `model(input_ids, attention_mask=..., position_ids=.
 decoder body only and scores its last hidden states with the fused head against the next tokens:
 log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1]), and entropy[b, t] that distribution's
 entropy; both [B, T], fp32, and 0 where there is no next token (the last position, padding on either side).
-No [B, T, V] logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
+Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
+takes its label from, another sequence. No [B, T, V] logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
+from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .fused_log_probs import Backend, fused_log_probs
@@ -64,15 +66,28 @@ def head_softcap(model: nn.Module) -> float | None:
     return None if softcap is None else float(softcap)
 
 
-def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """labels[b, t] = input_ids[b, t + 1], or -100 where position t or t + 1 is padding, and at t = T - 1."""
+def packed_segments(position_ids: Tensor | None) -> Tensor | None:
+    """Sequence ids [B, T] when rows pack several sequences (position_ids do not step by 1), else None.
+
+    The same rule transformers uses to build packed attention masks, so labels and attention agree.
+    """
+    if position_ids is None:
+        return None
+    return find_packed_sequence_indices(position_ids)
+
+
+def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, segments: Tensor | None = None) -> Tensor:
+    """labels[b, t] = input_ids[b, t + 1], or -100 where there is no next token of the same sequence: at
+    t = T - 1, where position t or t + 1 is padding, and where t + 1 starts the next packed sequence."""
     labels = torch.roll(input_ids, shifts=-1, dims=-1)
-    labels[..., -1] = _IGNORE
+    keep = torch.ones_like(input_ids, dtype=torch.bool)
+    keep[..., -1] = False
     if attention_mask is not None:
         real = attention_mask.bool()
-        both = real & torch.roll(real, shifts=-1, dims=-1)
-        labels = labels.masked_fill(~both, _IGNORE)
-    return labels
+        keep &= real & torch.roll(real, shifts=-1, dims=-1)
+    if segments is not None:
+        keep &= segments == torch.roll(segments, shifts=-1, dims=-1)
+    return labels.masked_fill(~keep, _IGNORE)
 
 
 def _forward_for_ppo(
@@ -87,9 +102,15 @@ def _forward_for_ppo(
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
+    segments = packed_segments(position_ids)
+    labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
+    if segments is not None:
+        ## NB: transformers builds packed masks (flex BlockMask, sdpa, eager; sliding windows too) from
+        # position_ids only when there is no 2D mask and no cache. Padding has no label (above) and, being causal,
+        # is never attended to by an earlier real token; a sequence after it starts at position 0.
+        attention_mask = None
     body = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = body.last_hidden_state  # [B, T, H]
-    labels = next_token_labels(input_ids, attention_mask)  # [B, T]
     weight = self.get_output_embeddings().weight  # [V, H]
     log_probs, entropy = fused_log_probs(
         hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap

@@ -120,3 +120,46 @@ def test_load_round_trips_through_save_pretrained(tmp_path):
 def test_load_never_fetches(tmp_path):
     with pytest.raises(OSError):
         load_model(str(tmp_path / "no-such-model"))
+
+
+def pack(sequences):
+    """One row holding the sequences back to back, position_ids restarting at 0 for each."""
+    ids = torch.cat(sequences)[None]
+    positions = torch.cat([torch.arange(len(s)) for s in sequences])[None]
+    return ids, positions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
+def test_packed_equals_each_sequence_alone(family, attn):
+    extra = dict(sliding_window=4) if family in ("mistral", "gemma3") else {}  # windows shorter than a sequence
+    model = tiny(family, attn_implementation=attn, **extra)
+    patch_model(model, backend="torch")
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(3, 97, (n,), generator=g) for n in (9, 1, 6, 12)]
+    ids, positions = pack(sequences)
+    temps = torch.rand(ids.shape, generator=g) + 0.5
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, temperature=temps)
+        start = 0
+        for seq in sequences:
+            n = len(seq)
+            alone = model(input_ids=seq[None], temperature=temps[:, start : start + n])
+            torch.testing.assert_close(packed.log_probs[0, start : start + n], alone.log_probs[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(packed.entropy[0, start : start + n], alone.entropy[0], rtol=0, atol=1e-5)
+            assert packed.log_probs[0, start + n - 1] == 0  # no label across the boundary
+            start += n
+
+
+def test_packed_row_with_padding_at_the_end():
+    model = patch_model(tiny("qwen2"), backend="torch")
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randint(3, 97, (7,), generator=g), torch.randint(3, 97, (5,), generator=g)
+    ids, positions = pack([a, b, torch.zeros(4, dtype=torch.long)])  # 4 pad tokens, their own "sequence"
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    with torch.no_grad():
+        packed = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        alone = model(input_ids=b[None])
+    torch.testing.assert_close(packed.log_probs[0, 7:12], alone.log_probs[0], rtol=0, atol=1e-5)
+    assert (packed.log_probs[0, 11:] == 0).all() and (packed.entropy[0, 11:] == 0).all()
