@@ -1,0 +1,179 @@
+"""End-to-end scoring with a patched HuggingFace model on one GPU, no grad.
+
+Fixed batch (8 x 4096 tokens): the decoder body alone, HF full logits -> log_softmax (naive), and the patched
+model (fused head). Mixed lengths (32 rollouts, prompt 512 + response 64..4000 tokens, arrival order): naive HF
+on right-padded batches of 2 / 4 / 8, the patched model on padded batches of 8, and the patched model on packed
+rows (flex_attention, one compiled shape per row length). Prints tokens/s and peak memory beyond the model.
+
+  python benchmarks/bench_model.py --out model.json     # Qwen2.5-7B shape, random bf16 weights, on CUDA
+  python benchmarks/bench_model.py --tiny               # a dry run of every path on the CPU, tiny config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from ppo_logprobs.workers import patch_model
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+QWEN25_7B = dict(
+    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
+)
+TINY = dict(vocab_size=503, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def build(config: dict, device: str, dtype: torch.dtype):
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**config, attn_implementation="sdpa")).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, int]:
+    """(median seconds of reps calls after one warm-up, peak bytes allocated beyond the start)."""
+    fn()
+    sync(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if device == "cuda" else 0
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else 0
+    return statistics.median(times), peak
+
+
+def naive_scores(model, ids, mask):
+    logits = type(model).forward(model, input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, T, V]
+    log_p = logits.float().log_softmax(-1)
+    lp = log_p[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return lp, -(log_p.exp() * log_p).sum(-1)[:, :-1]
+
+
+def padded_batches(seqs, batch_size, device):
+    for i in range(0, len(seqs), batch_size):
+        group = seqs[i : i + batch_size]
+        t = max(len(s) for s in group)
+        ids = torch.zeros(len(group), t, dtype=torch.long)
+        mask = torch.zeros(len(group), t, dtype=torch.long)
+        for b, s in enumerate(group):
+            ids[b, : len(s)], mask[b, : len(s)] = s, 1
+        yield ids.to(device), mask.to(device)
+
+
+def packed_rows(seqs, row_tokens, device):
+    """First fit in arrival order into rows of exactly row_tokens (padding at the end is its own sequence)."""
+    rows: list[list[torch.Tensor]] = []
+    for s in seqs:
+        if len(s) > row_tokens:
+            raise ValueError(f"a sequence of {len(s)} tokens does not fit rows of {row_tokens}")
+        for row in rows:
+            if sum(len(x) for x in row) + len(s) <= row_tokens:
+                row.append(s)
+                break
+        else:
+            rows.append([s])
+    for row in rows:
+        used = sum(len(x) for x in row)
+        parts = row + ([torch.zeros(row_tokens - used, dtype=torch.long)] if used < row_tokens else [])
+        ids = torch.cat(parts)[None]
+        positions = torch.cat([torch.arange(len(p)) for p in parts])[None]
+        mask = torch.ones_like(ids)
+        mask[0, used:] = 0
+        yield ids.to(device), positions.to(device), mask.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
+    parser.add_argument("--out")
+    parser.add_argument("--skip-fixed", action="store_true")
+    parser.add_argument("--skip-mixed", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)
+    row_sizes = (128,) if args.tiny else (16384, 32768)
+    reps = 1 if args.tiny else 3
+    model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
+    patch_model(model, backend="torch" if args.tiny else "auto")
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    results, meta = [], dict(date=time.strftime("%Y-%m-%d"), device=device, torch=torch.__version__)
+    if device == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name()
+        meta["model_bytes"] = torch.cuda.memory_allocated()
+    print(f"# {meta}", flush=True)
+
+    def record(case, impl, tokens, seconds, peak, **extra):
+        results.append(dict(case=case, impl=impl, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                            extra_gib=peak / 2**30, **extra))
+        print(json.dumps(results[-1]), flush=True)
+
+    with torch.no_grad():
+        if not args.skip_fixed:
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
+            tokens = batch * seq_len
+            s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
+            record("fixed", "body", tokens, s, p)
+            s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
+            record("fixed", "naive", tokens, s, p)
+            s, p = timed(lambda: model(input_ids=ids), device, reps)
+            ref_lp, _ = naive_scores(model, ids, None)
+            fused = model(input_ids=ids)
+            diff = float((fused.log_probs[:, :-1] - ref_lp).abs().max())
+            record("fixed", "fused", tokens, s, p, max_diff_vs_naive=diff)
+            del ref_lp, fused
+
+        if not args.skip_mixed:
+            lengths = [prompt + int(torch.randint(resp[0], resp[1] + 1, (1,), generator=g)) for _ in range(rollouts)]
+            seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+            real = sum(lengths)
+            print(f"# mixed: {rollouts} rollouts, {real} real tokens", flush=True)
+            for bs in (2, 4, 8):
+                batches = list(padded_batches(seqs, bs, device))
+                try:
+                    s, p = timed(lambda b=batches: [naive_scores(model, i, m) for i, m in b], device, reps)
+                    record("mixed", f"naive padded x{bs}", real, s, p)
+                except torch.OutOfMemoryError:
+                    print(f"naive padded x{bs}: out of memory", flush=True)
+            batches = list(padded_batches(seqs, 8, device))
+            s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
+            record("mixed", "fused padded x8 (sdpa)", real, s, p)
+            model.config._attn_implementation = "flex_attention"
+            for r in row_sizes:
+                rows = list(packed_rows(seqs, r, device))
+                fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
+                s, p = timed(fn, device, reps)
+                record("mixed", f"fused packed rows of {r} (flex)", real, s, p, rows=len(rows))
+            model.config._attn_implementation = "sdpa"
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"{'case':>6} {'impl':>34} {'tokens/s':>10} {'extra GiB':>10}")
+    for r in results:
+        print(f"{r['case']:>6} {r['impl']:>34} {r['tokens_per_s']:10.0f} {r['extra_gib']:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
