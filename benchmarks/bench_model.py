@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--skip-fixed", action="store_true")
     parser.add_argument("--skip-mixed", action="store_true")
+    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -115,6 +117,7 @@ def main() -> None:
     row_sizes = (128,) if args.tiny else (16384, 32768)
     reps = 1 if args.tiny else 3
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
+    model.config._attn_implementation = args.attn
     patch_model(model, backend="torch" if args.tiny else "auto")
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -134,14 +137,15 @@ def main() -> None:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
             tokens = batch * seq_len
             s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
-            record("fixed", "body", tokens, s, p)
-            s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
-            record("fixed", "naive", tokens, s, p)
+            record("fixed", f"body ({args.attn})", tokens, s, p)
+            if not args.skip_naive:
+                s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
+                record("fixed", "naive", tokens, s, p)
             s, p = timed(lambda: model(input_ids=ids), device, reps)
             ref_lp, _ = naive_scores(model, ids, None)
             fused = model(input_ids=ids)
             diff = float((fused.log_probs[:, :-1] - ref_lp).abs().max())
-            record("fixed", "fused", tokens, s, p, max_diff_vs_naive=diff)
+            record("fixed", f"fused ({args.attn})", tokens, s, p, max_diff_vs_naive=diff)
             del ref_lp, fused
 
         if not args.skip_mixed:
@@ -149,7 +153,7 @@ def main() -> None:
             seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
             real = sum(lengths)
             print(f"# mixed: {rollouts} rollouts, {real} real tokens", flush=True)
-            for bs in (2, 4, 8):
+            for bs in () if args.skip_naive else (2, 4, 8):
                 batches = list(padded_batches(seqs, bs, device))
                 try:
                     s, p = timed(lambda b=batches: [naive_scores(model, i, m) for i, m in b], device, reps)
@@ -158,14 +162,14 @@ def main() -> None:
                     print(f"naive padded x{bs}: out of memory", flush=True)
             batches = list(padded_batches(seqs, 8, device))
             s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
-            record("mixed", "fused padded x8 (sdpa)", real, s, p)
+            record("mixed", f"fused padded x8 ({args.attn})", real, s, p)
             model.config._attn_implementation = "flex_attention"
             for r in row_sizes:
                 rows = list(packed_rows(seqs, r, device))
                 fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
                 s, p = timed(fn, device, reps)
                 record("mixed", f"fused packed rows of {r} (flex)", real, s, p, rows=len(rows))
-            model.config._attn_implementation = "sdpa"
+            model.config._attn_implementation = args.attn
 
     if args.out:
         with open(args.out, "w") as f:

@@ -5,7 +5,8 @@ decoder body only and scores its last hidden states with the fused head against 
 log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1]), and entropy[b, t] that distribution's
 entropy; both [B, T], fp32, and 0 where there is no next token (the last position, padding on either side).
 Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
-takes its label from, another sequence. No [B, T, V] logits are made.
+takes its label from, another sequence. On CUDA, packed calls run flex_attention (it skips masked blocks)
+whatever the model was loaded with; unpacked calls keep the model's own attention. No [B, T, V] logits are made.
 Only the instance is patched (`types.MethodType`); its class is untouched.
 """
 
@@ -105,12 +106,21 @@ def _forward_for_ppo(
     kwargs["use_cache"] = False  # scoring never decodes further
     segments = packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
+    attn = self.config._attn_implementation
     if segments is not None:
         ## NB: transformers builds packed masks (flex BlockMask, sdpa, eager; sliding windows too) from
         # position_ids only when there is no 2D mask and no cache. Padding has no label (above) and, being causal,
         # is never attended to by an earlier real token; a sequence after it starts at position 0.
         attention_mask = None
-    body = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        if input_ids.is_cuda and attn in ("sdpa", "eager"):
+            # a dense [T, T] mask makes sdpa slower than padding; flex_attention skips the masked blocks
+            self.config._attn_implementation = "flex_attention"
+    try:
+        body = self.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+        )
+    finally:
+        self.config._attn_implementation = attn
     hidden = body.last_hidden_state  # [B, T, H]
     weight = self.get_output_embeddings().weight  # [V, H]
     log_probs, entropy = fused_log_probs(

@@ -163,3 +163,22 @@ def test_packed_row_with_padding_at_the_end():
         alone = model(input_ids=b[None])
     torch.testing.assert_close(packed.log_probs[0, 7:12], alone.log_probs[0], rtol=0, atol=1e-5)
     assert (packed.log_probs[0, 11:] == 0).all() and (packed.entropy[0, 11:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_packed_rows_run_flex_attention_and_equal_alone():
+    model = patch_model(tiny("qwen2").cuda(), backend="auto")
+    assert model.config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(5)
+    sequences = [torch.randint(3, 97, (n,), generator=g) for n in (130, 7, 64)]
+    ids, positions = pack(sequences)
+    with torch.no_grad():
+        packed = model(input_ids=ids.cuda(), position_ids=positions.cuda())
+        assert model.config._attn_implementation == "sdpa"  # switched for the packed call only
+        start = 0
+        for seq in sequences:
+            alone = model(input_ids=seq[None].cuda())
+            got = packed.log_probs[0, start : start + len(seq)]
+            torch.testing.assert_close(got, alone.log_probs[0], rtol=0, atol=1e-4)
+            start += len(seq)
