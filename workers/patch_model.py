@@ -111,6 +111,15 @@ def _forward_for_ppo(
         ## NB: transformers builds packed masks (flex BlockMask, sdpa, eager; sliding windows too) from
         # position_ids only when there is no 2D mask and no cache. Padding has no label (above) and, being causal,
         # is never attended to by an earlier real token; a sequence after it starts at position 0.
+        if attention_mask is not None:
+            real = attention_mask.bool()
+            late = real[..., 1:] & ~real[..., :-1]  # a real token right after padding
+            if bool(late.any()):
+                row = int(late.nonzero()[0, 0])
+                raise ValueError(
+                    f"attention_mask row {row}: in packed rows (position_ids restarting) padding may only come "
+                    "after the last real token; give each sequence its own positions from 0 instead"
+                )
         attention_mask = None
         if input_ids.is_cuda and attn in ("sdpa", "eager"):
             # a dense [T, T] mask makes sdpa slower than padding; flex_attention skips the masked blocks

@@ -163,6 +163,11 @@ def test_packed_row_with_padding_at_the_end():
         alone = model(input_ids=b[None])
     torch.testing.assert_close(packed.log_probs[0, 7:12], alone.log_probs[0], rtol=0, atol=1e-5)
     assert (packed.log_probs[0, 11:] == 0).all() and (packed.entropy[0, 11:] == 0).all()
+    # padding before a real token of a packed row could be attended to: refused, naming the row
+    mask = torch.ones(2, ids.shape[1], dtype=torch.long)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="attention_mask row 1: in packed rows"):
+        model(input_ids=ids.expand(2, -1), attention_mask=mask, position_ids=positions.expand(2, -1))
 
 
 @pytest.mark.gpu
