@@ -17,8 +17,9 @@ import statistics
 import time
 
 import torch
-from ppo_logprobs.workers import patch_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ppo_logprobs.workers import patch_model
 
 QWEN25_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -1,4 +1,5 @@
-"""Test set-up: without CUDA, Triton kernels run in the interpreter (must be set before they are imported)."""
+"""Test set-up: without CUDA, Triton kernels run in the interpreter (must be set before they are imported);
+Ray stays on loopback (it would otherwise advertise the machine's own address)."""
 
 import os
 
@@ -6,3 +7,5 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from ppo_logprobs.workers import FusedLinearForPPO, fused_log_probs
 
 from .reference import reference_log_probs

@@ -3,8 +3,9 @@
 import pytest
 import torch
 import transformers
-from ppo_logprobs.workers import load_model, patch_model
 from torch import nn
+
+from ppo_logprobs.workers import load_model, patch_model
 
 SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -1,0 +1,119 @@
+"""LogProbWorker as a plain class: packing, order, alignment, token budget, OOM splitting, weights, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from ppo_logprobs.workers import LogProbWorker, load_model
+from ppo_logprobs.workers.log_prob_worker import pack_sequences
+
+VOCAB = 503  # the built-in "tiny" model
+
+
+def random_sequences(n, seed, lo=2, hi=60):
+    g = np.random.default_rng(seed)
+    return [g.integers(0, VOCAB, g.integers(lo, hi)).tolist() for _ in range(n)]
+
+
+def alone(model, seq, score_from=1, temperature=1.0):
+    """The patched model on one unpadded sequence, cut to the entries the worker returns."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([seq]), temperature=temperature)
+    span = slice(score_from - 1, len(seq) - 1)
+    return out.log_probs[0, span].numpy(), out.entropy[0, span].numpy()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", backend="torch")
+
+
+def test_results_in_order_and_aligned(model):
+    worker = LogProbWorker("tiny", max_tokens_per_batch=100, backend="torch")
+    seqs = random_sequences(20, seed=0)
+    starts = [1 + i % 3 for i in range(20)]
+    temps = [0.5 + 0.1 * i for i in range(20)]
+    results = worker.score(seqs, starts, temps)
+    assert len(results) == 20
+    for seq, s, t, r in zip(seqs, starts, temps, results, strict=True):
+        lp, ent = alone(model, seq, s, t)
+        assert r.log_probs.dtype == np.float32 and r.log_probs.shape == (len(seq) - s,)
+        np.testing.assert_allclose(r.log_probs, lp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5)
+        assert r.weights_version == 0
+    assert worker.stats["rows"] > 1  # several packed rows were needed
+    assert 0 < worker.stats["max_row_tokens"] <= 100
+
+
+def test_score_from_at_the_end_gives_empty_results():
+    worker = LogProbWorker("tiny", backend="torch")
+    (r,) = worker.score([[5, 6, 7]], score_from=3, return_entropy=False)
+    assert r.log_probs.shape == (0,) and r.entropy is None
+
+
+def test_pack_sequences_respects_the_budget():
+    lengths = [50, 3, 97, 20, 20, 100, 1, 64]
+    rows = pack_sequences(lengths, 100)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
+    assert len(rows) == 4  # 355 tokens: the fewest rows of 100 possible
+
+
+class OutOfMemoryAbove(LogProbWorker):
+    """A worker whose device runs out of memory on rows over `limit` tokens (CUDA's error, raised on the CPU)."""
+
+    limit = 40
+
+    def _forward(self, input_ids, position_ids, temperature):
+        if input_ids.shape[1] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (test device)")
+        return super()._forward(input_ids, position_ids, temperature)
+
+
+def test_out_of_memory_halves_the_row_and_retries(model):
+    worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, backend="torch")
+    seqs = random_sequences(12, seed=1, hi=30)
+    results = worker.score(seqs)
+    assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 40
+    for seq, r in zip(seqs, results, strict=True):
+        np.testing.assert_allclose(r.log_probs, alone(model, seq)[0], rtol=0, atol=1e-5)
+    with pytest.raises(torch.OutOfMemoryError):  # one sequence that does not fit cannot be split
+        worker.score([list(range(41))])
+
+
+def test_update_weights_changes_results_and_version():
+    worker = LogProbWorker("tiny", backend="torch")
+    other = load_model("tiny", backend="torch")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    seqs = random_sequences(4, seed=2)
+    before = worker.score(seqs)
+    assert worker.update_weights(other.state_dict(), 7) == 7
+    after = worker.score(seqs)
+    for seq, b, a in zip(seqs, before, after, strict=True):
+        assert a.weights_version == 7 and not np.allclose(a.log_probs, b.log_probs)
+        np.testing.assert_allclose(a.log_probs, alone(other, seq)[0], rtol=0, atol=1e-5)
+    with pytest.raises(RuntimeError, match="size mismatch|Missing key"):
+        worker.update_weights({"lm_head.weight": torch.zeros(3, 3)}, 8)
+
+
+@pytest.mark.parametrize(
+    "input_ids, score_from, temperature, message",
+    [
+        ([[1, 2], []], 1, 1.0, r"input_ids\[1\] is empty"),
+        ([[1, 2], [3, 503]], 1, 1.0, r"input_ids\[1\]\[1\] = 503 is outside the vocabulary \[0, 503\)"),
+        ([[1, 2], [3, -1]], 1, 1.0, r"input_ids\[1\]\[1\] = -1"),
+        ([[1, 2], [3, 4]], [1, 3], 1.0, r"score_from\[1\] = 3 must be an integer in \[1, 2\]"),
+        ([[1, 2], [3, 4]], 0, 1.0, r"score_from\[0\] = 0"),
+        ([[1, 2], [3, 4]], [1], 1.0, r"score_from has 1 entries for 2 sequences"),
+        ([[1, 2], [3, 4]], 1, [1.0, 0.0], r"temperature\[1\] = 0.0 must be a positive finite number"),
+        ([[1, 2], [3, 4]], 1, float("nan"), r"temperature\[0\] = nan"),
+        ([[1, 2], [3.5, 4]], 1, 1.0, r"input_ids\[1\] must hold integer token ids"),
+        ([list(range(300))], 1, 1.0, r"input_ids\[0\] has 300 tokens, over max_tokens_per_batch = 256"),
+    ],
+)
+def test_bad_requests_name_the_sequence(input_ids, score_from, temperature, message):
+    worker = LogProbWorker("tiny", max_tokens_per_batch=256, backend="torch")
+    with pytest.raises(ValueError, match=message):
+        worker.score(input_ids, score_from, temperature)

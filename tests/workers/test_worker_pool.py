@@ -1,0 +1,129 @@
+"""WorkerPool on a local Ray cluster (2 CPUs, loopback): results, order, budget, faults, weights, attach."""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from ppo_logprobs.workers import WorkerPool, load_model
+
+from .test_log_prob_worker import alone, random_sequences
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # 3 logical CPUs on the 2 cores: the module's pool (2 workers) and a named pool of 1 live side by side
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pool(cluster):
+    pool = WorkerPool.create("tiny", 2, max_tokens_per_batch=256, backend="torch")
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", backend="torch")
+
+
+def perturbed(seed):
+    other = load_model("tiny", backend="torch")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return other
+
+
+def assert_matches(results, seqs, model, starts=None, temps=None, version=None):
+    assert len(results) == len(seqs)
+    for i, (seq, r) in enumerate(zip(seqs, results, strict=True)):
+        s = starts[i] if starts else 1
+        lp, ent = alone(model, seq, s, temps[i] if temps else 1.0)
+        np.testing.assert_allclose(r.log_probs, lp, rtol=0, atol=1e-5, err_msg=f"sequence {i}")
+        np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5, err_msg=f"sequence {i}")
+        if version is not None:
+            assert r.weights_version == version
+
+
+def test_pool_matches_the_model_in_order_within_budget(pool, model):
+    seqs = random_sequences(40, seed=10, hi=120)
+    starts = [1 + (i * 7) % len(s) for i, s in enumerate(seqs)]
+    temps = [0.6 + 0.05 * i for i in range(40)]
+    assert_matches(pool.compute_log_probs(seqs, starts, temps), seqs, model, starts, temps)
+    health = pool.health()
+    assert all(h["alive"] and h["rows"] > 0 for h in health)  # both actors got work
+    assert all(h["max_row_tokens"] <= 256 for h in health)
+
+
+def test_async_returns_an_object_ref(pool, model):
+    seqs = random_sequences(6, seed=11)
+    ref = pool.compute_log_probs_async(seqs, return_entropy=False)
+    assert isinstance(ref, ray.ObjectRef)
+    results = ray.get(ref)
+    assert all(r.entropy is None for r in results)
+    for seq, r in zip(seqs, results, strict=True):
+        np.testing.assert_allclose(r.log_probs, alone(model, seq)[0], rtol=0, atol=1e-5)
+
+
+def test_update_weights_then_an_actor_killed_mid_call(pool):
+    new = perturbed(seed=1)
+    version = pool.update_weights(new.state_dict())
+    assert version == pool.weights_version >= 1
+    seqs = random_sequences(400, seed=12, lo=100, hi=250)
+    pid = pool.health()[0]["pid"]
+    ref = pool.compute_log_probs_async(seqs)
+    time.sleep(0.5)
+    ray.kill(pool.workers[0], no_restart=False)  # Ray restarts it with its initial weights
+    results = ray.get(ref, timeout=300)
+    assert_matches(results, seqs, new, version=version)  # complete, in order, with the current weights
+    after = pool.health()
+    assert after[0]["pid"] != pid and after[0]["weights_version"] == version
+
+
+def test_attach_by_name_from_a_second_driver(cluster, model):
+    named = WorkerPool.create("tiny", 1, name="attach-test", max_tokens_per_batch=256, backend="torch")
+    try:
+        seqs = random_sequences(5, seed=13)
+        script = (
+            "import json, sys, ray\n"
+            "from ppo_logprobs.workers import WorkerPool\n"
+            f"ray.init(address={cluster!r}, log_to_driver=False)\n"
+            "pool = WorkerPool.connect('attach-test')\n"
+            "seqs = json.loads(sys.stdin.read())\n"
+            "print(json.dumps([r.log_probs.tolist() for r in pool.compute_log_probs(seqs)]))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], input=json.dumps(seqs), capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        remote = json.loads(done.stdout.strip().splitlines()[-1])
+        for seq, lp in zip(seqs, remote, strict=True):
+            np.testing.assert_allclose(np.array(lp, dtype=np.float32), alone(model, seq)[0], rtol=0, atol=1e-5)
+    finally:
+        named.shutdown()
+    with pytest.raises(ValueError, match="no worker pool named 'attach-test'"):
+        WorkerPool.connect("attach-test")
+
+
+def test_a_pool_that_cannot_be_placed_says_so(pool):
+    with pytest.raises(RuntimeError, match="could not place 5 workers"):
+        WorkerPool.create("tiny", 5, ready_timeout_s=2, backend="torch")
+
+
+def test_bad_requests_fail_before_dispatch(pool):
+    rows_before = sum(h["rows"] for h in pool.health())
+    with pytest.raises(ValueError, match=r"input_ids\[2\]\[0\] = 99999 is outside the vocabulary"):
+        pool.compute_log_probs([[1, 2], [3, 4], [99999, 1]])
+    with pytest.raises(ValueError, match=r"score_from\[0\] = 5"):
+        pool.compute_log_probs_async([[1, 2]], score_from=5)
+    assert sum(h["rows"] for h in pool.health()) == rows_before

@@ -1,0 +1,174 @@
+"""LogProbWorker: one patched model on one device, scoring batches of token sequences.
+
+A plain class (tests build it without Ray); `WorkerPool` turns it into Ray actors. A request is packed into
+rows of at most `max_tokens_per_batch` tokens (several sequences per row, position_ids restarting at 0, no
+padding), each row is one forward, and results come back in request order. On CUDA out-of-memory a row is
+split in half and retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .load_model import load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SequenceScores:
+    """One sequence's result: entry k is for token seq[score_from + k] given seq[:score_from + k]."""
+
+    log_probs: np.ndarray  # float32, [len(seq) - score_from]
+    entropy: np.ndarray | None  # float32, same length; None when not asked for
+    weights_version: int
+
+
+def validate_request(
+    input_ids: Sequence[Sequence[int]],
+    score_from: int | Sequence[int],
+    temperature: float | Sequence[float],
+    *,
+    vocab_size: int,
+    max_tokens: int,
+) -> tuple[list[int], list[float]]:
+    """Checks a request before any device work; returns score_from and temperature as one value per sequence.
+
+    Raises ValueError naming the field, the sequence index and the value.
+    """
+    n = len(input_ids)
+    starts = list(score_from) if isinstance(score_from, Sequence) else [score_from] * n
+    temps = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
+    if len(starts) != n:
+        raise ValueError(f"score_from has {len(starts)} entries for {n} sequences")
+    if len(temps) != n:
+        raise ValueError(f"temperature has {len(temps)} entries for {n} sequences")
+    for i, seq in enumerate(input_ids):
+        length = len(seq)
+        if length == 0:
+            raise ValueError(f"input_ids[{i}] is empty")
+        if length > max_tokens:
+            raise ValueError(f"input_ids[{i}] has {length} tokens, over max_tokens_per_batch = {max_tokens}")
+        ids = np.asarray(seq)
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids[{i}] must hold integer token ids, got dtype {ids.dtype}")
+        bad = (ids < 0) | (ids >= vocab_size)
+        if bad.any():
+            k = int(np.argmax(bad))
+            raise ValueError(f"input_ids[{i}][{k}] = {int(ids[k])} is outside the vocabulary [0, {vocab_size})")
+        s = starts[i]
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 1 <= s <= length:
+            raise ValueError(f"score_from[{i}] = {s!r} must be an integer in [1, {length}] (len(input_ids[{i}]))")
+        t = temps[i]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"temperature[{i}] = {t!r} must be a positive finite number")
+    return [int(s) for s in starts], [float(t) for t in temps]
+
+
+def pack_sequences(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows of sequence indices, each row at most max_tokens tokens (first fit, longest first)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens - lengths[i])
+    return rows
+
+
+class LogProbWorker:
+    """Holds a patched causal LM (see `load_model`) and scores token sequences with it."""
+
+    def __init__(self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, **load_options) -> None:
+        if max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
+        self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(model, device=self.device, **load_options)
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.weights_version = 0
+        self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
+
+    def info(self) -> dict:
+        return dict(
+            vocab_size=self.model.config.vocab_size,
+            device=str(self.device),
+            weights_version=self.weights_version,
+            max_tokens_per_batch=self.max_tokens_per_batch,
+            pid=os.getpid(),
+            **self.stats,
+        )
+
+    health = info
+
+    @torch.no_grad()
+    def score(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        score_from: int | Sequence[int] = 1,
+        temperature: float | Sequence[float] = 1.0,
+        return_entropy: bool = True,
+    ) -> list[SequenceScores]:
+        """Scores every sequence; results in the order given."""
+        starts, temps = validate_request(
+            input_ids, score_from, temperature,
+            vocab_size=self.model.config.vocab_size, max_tokens=self.max_tokens_per_batch,
+        )
+        seqs = [torch.as_tensor(np.asarray(s), dtype=torch.long) for s in input_ids]
+        lengths = [len(s) for s in seqs]
+        results: list[SequenceScores | None] = [None] * len(seqs)
+        queue = pack_sequences(lengths, self.max_tokens_per_batch)
+        while queue:
+            row = queue.pop()
+            try:
+                self._score_row(row, seqs, starts, temps, return_entropy, results)
+            except torch.OutOfMemoryError:
+                if len(row) == 1:
+                    raise
+                torch.cuda.empty_cache()
+                self.stats["oom_splits"] += 1
+                sizes = [lengths[i] for i in row]
+                half = max(max(sizes), sum(sizes) // 2)  # smaller than the row, since it holds two or more
+                log.warning("out of memory on a row of %d tokens; retrying in rows of at most %d", sum(sizes), half)
+                queue.extend([row[j] for j in part] for part in pack_sequences(sizes, half))
+        return results  # type: ignore[return-value]
+
+    def _score_row(self, row, seqs, starts, temps, return_entropy, results) -> None:
+        ids = torch.cat([seqs[i] for i in row])[None]  # [1, T]
+        positions = torch.cat([torch.arange(len(seqs[i])) for i in row])[None]
+        temperature = torch.cat([torch.full((len(seqs[i]),), temps[i]) for i in row])[None]
+        out = self._forward(ids.to(self.device), positions.to(self.device), temperature.to(self.device))
+        log_probs = out.log_probs[0].cpu().numpy()
+        entropy = out.entropy[0].cpu().numpy() if return_entropy else None
+        self.stats["rows"] += 1
+        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], ids.shape[1])
+        offset = 0
+        for i in row:
+            # entry k scores token offset + s + k, predicted at position offset + s + k - 1
+            span = slice(offset + starts[i] - 1, offset + len(seqs[i]) - 1)
+            results[i] = SequenceScores(
+                log_probs=log_probs[span].copy(),
+                entropy=entropy[span].copy() if entropy is not None else None,
+                weights_version=self.weights_version,
+            )
+            offset += len(seqs[i])
+
+    def _forward(self, input_ids, position_ids, temperature):
+        return self.model(input_ids=input_ids, position_ids=position_ids, temperature=temperature)
+
+    def update_weights(self, state_dict: dict, version: int) -> int:
+        """Loads a full state dict (names and shapes must match) and records its version."""
+        self.model.load_state_dict(state_dict, strict=True)
+        self.weights_version = version
+        return version
