@@ -1,0 +1,94 @@
+"""Tokens/s through WorkerPool against calling the worker in-process, on the same mixed-length rollouts.
+
+  python benchmarks/bench_pool.py --model DIR --workers 1     # overhead of the pool on one GPU
+  python benchmarks/bench_pool.py --model DIR --workers 2     # scaling, on a two-GPU machine
+  python benchmarks/bench_pool.py --save-random DIR           # writes a random Qwen2.5-7B-shaped model to DIR
+  python benchmarks/bench_pool.py --tiny                      # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import ray
+import torch
+
+from ppo_logprobs.workers import LogProbWorker, WorkerPool
+
+
+def rollouts(n: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(0, vocab, prompt + int(g.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def save_random(path: str) -> None:
+    from bench_model import QWEN25_7B  # the same directory
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_7B))
+    model.save_pretrained(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--save-random")
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.save_random:
+        save_random(args.save_random)
+        return
+    tiny = args.tiny or args.model == "tiny"
+    options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
+    seqs = rollouts(6, 16, 8, 40, 503) if tiny else rollouts(32, 512, 64, 4000, 152064)
+    tokens = sum(len(s) for s in seqs)
+    starts = [16 if tiny else 512] * len(seqs)
+    reps = 1 if tiny else 3
+    results = dict(date=time.strftime("%Y-%m-%d"), tokens=tokens, workers=args.workers, max_tokens=args.max_tokens)
+    if torch.cuda.is_available():
+        results["gpu"] = torch.cuda.get_device_name()
+
+    direct = LogProbWorker(args.model, max_tokens_per_batch=args.max_tokens, **options)
+    s = median_seconds(lambda: direct.score(seqs, starts), reps)
+    results["direct_tokens_per_s"] = tokens / s
+    reference = direct.score(seqs, starts)
+    direct = None  # free the in-process model before the pool's actors load theirs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    pool = WorkerPool.create(args.model, args.workers, max_tokens_per_batch=args.max_tokens, **options)
+    s = median_seconds(lambda: pool.compute_log_probs(seqs, starts), reps)
+    results["pool_tokens_per_s"] = tokens / s
+    got = pool.compute_log_probs(seqs, starts)
+    diffs = [np.abs(a.log_probs - b.log_probs).max() for a, b in zip(got, reference, strict=True)]
+    results["max_diff_vs_direct"] = float(max(diffs))
+    results["pool_over_direct"] = results["pool_tokens_per_s"] / results["direct_tokens_per_s"]
+    pool.shutdown()
+    print(json.dumps(results), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
