@@ -51,8 +51,12 @@ def balance_by_tokens(lengths: Sequence[int], num_shares: int) -> list[list[int]
     return shares
 
 
-def _score_on_pool(workers, version, weights_ref, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
-    """Dispatches shares to the actors and gathers them in order; redispatches what a dead actor held."""
+def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
+    """Dispatches shares to the actors and gathers them in order; redispatches what a dead actor held.
+
+    weights: [ObjectRef of the current state dict] or [] (a list, so that Ray does not fetch the weights
+    into this function when it runs as a task).
+    """
     results: list[SequenceScores | None] = [None] * len(input_ids)
     pending = {}
 
@@ -78,12 +82,14 @@ def _score_on_pool(workers, version, weights_ref, input_ids, starts, temps, retu
             continue
         if any(s.weights_version != version for s in scores):
             # a restarted actor reloads its initial weights: give it the current ones and redo its share
-            if weights_ref is None or attempt >= _ATTEMPTS:
+            if not weights:
                 raise RuntimeError(
                     f"worker {w} answered with weights_version {scores[0].weights_version}, expected {version}, "
                     "and this pool holds no copy of those weights to restore (call update_weights again)"
                 )
-            ray.get(workers[w].update_weights.remote(weights_ref, version))
+            if attempt >= _ATTEMPTS:
+                raise RuntimeError(f"worker {w} still answers with stale weights after {attempt} attempts")
+            ray.get(workers[w].update_weights.remote(weights[0], version))
             submit(share, w, attempt + 1)
             continue
         for i, s in zip(share, scores, strict=True):
@@ -101,7 +107,7 @@ class WorkerPool:
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
         self.weights_version = info["weights_version"]
         self._placement = placement
-        self._weights_ref = None
+        self._weights: list = []  # [ObjectRef of the last state dict sent], to restore restarted actors
 
     @classmethod
     def create(
@@ -182,7 +188,7 @@ class WorkerPool:
         """One SequenceScores per sequence, in order: entry k of log_probs is log p(seq[s + k] | seq[:s + k])
         for s = score_from (one int, or one per sequence; the prompt length for PPO)."""
         ids, starts, temps = self._request(input_ids, score_from, temperature)
-        return _score_on_pool(self.workers, self.weights_version, self._weights_ref, ids, starts, temps, return_entropy)
+        return _score_on_pool(self.workers, self.weights_version, self._weights, ids, starts, temps, return_entropy)
 
     def compute_log_probs_async(
         self,
@@ -194,14 +200,14 @@ class WorkerPool:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
         ids, starts, temps = self._request(input_ids, score_from, temperature)
         task = ray.remote(num_cpus=0)(_score_on_pool)
-        return task.remote(self.workers, self.weights_version, self._weights_ref, ids, starts, temps, return_entropy)
+        return task.remote(self.workers, self.weights_version, self._weights, ids, starts, temps, return_entropy)
 
     def update_weights(self, state_dict_or_ref) -> int:
         """Loads new weights (a state dict, or an ObjectRef to one) into every actor; returns the new version."""
         ref = state_dict_or_ref if isinstance(state_dict_or_ref, ray.ObjectRef) else ray.put(state_dict_or_ref)
         version = self.weights_version + 1
         ray.get([w.update_weights.remote(ref, version) for w in self.workers])
-        self._weights_ref, self.weights_version = ref, version
+        self._weights, self.weights_version = [ref], version
         return version
 
     def health(self, timeout: float = 30.0) -> list[dict]:
