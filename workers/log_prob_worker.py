@@ -167,8 +167,14 @@ class LogProbWorker:
     def _forward(self, input_ids, position_ids, temperature):
         return self.model(input_ids=input_ids, position_ids=position_ids, temperature=temperature)
 
-    def update_weights(self, state_dict: dict, version: int) -> int:
-        """Loads a full state dict (names and shapes must match) and records its version."""
-        self.model.load_state_dict(state_dict, strict=True)
+    def update_weights(self, weights: dict | str, version: int) -> int:
+        """Loads new weights and records their version: a full state dict (names and shapes must match), or
+        the path of a checkpoint directory of the same architecture, read by this worker."""
+        if isinstance(weights, str):
+            from transformers import AutoModelForCausalLM
+
+            dtype = next(self.model.parameters()).dtype
+            weights = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True).state_dict()
+        self.model.load_state_dict(weights, strict=True)
         self.weights_version = version
         return version

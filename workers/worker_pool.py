@@ -54,8 +54,8 @@ def balance_by_tokens(lengths: Sequence[int], num_shares: int) -> list[list[int]
 def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
     """Dispatches shares to the actors and gathers them in order; redispatches what a dead actor held.
 
-    weights: [ObjectRef of the current state dict] or [] (a list, so that Ray does not fetch the weights
-    into this function when it runs as a task).
+    weights: [the current weights: an ObjectRef to a state dict, or a checkpoint path] or [] (a list, so that
+    Ray does not fetch the weights into this function when it runs as a task).
     """
     results: list[SequenceScores | None] = [None] * len(input_ids)
     pending = {}
@@ -107,7 +107,7 @@ class WorkerPool:
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
         self.weights_version = info["weights_version"]
         self._placement = placement
-        self._weights: list = []  # [ObjectRef of the last state dict sent], to restore restarted actors
+        self._weights: list = []  # [the last weights sent: ObjectRef or path], to restore restarted actors
 
     @classmethod
     def create(
@@ -203,8 +203,11 @@ class WorkerPool:
         return task.remote(self.workers, self.weights_version, self._weights, ids, starts, temps, return_entropy)
 
     def update_weights(self, state_dict_or_ref) -> int:
-        """Loads new weights (a state dict, or an ObjectRef to one) into every actor; returns the new version."""
-        ref = state_dict_or_ref if isinstance(state_dict_or_ref, ray.ObjectRef) else ray.put(state_dict_or_ref)
+        """Loads new weights into every actor and returns the new version: a state dict, an ObjectRef to one, or
+        the path of a checkpoint directory that every actor can read."""
+        ref = state_dict_or_ref
+        if not isinstance(ref, (ray.ObjectRef, str)):
+            ref = ray.put(ref)
         version = self.weights_version + 1
         ray.get([w.update_weights.remote(ref, version) for w in self.workers])
         self._weights, self.weights_version = [ref], version

@@ -1,0 +1,58 @@
+"""Request and response bodies of the HTTP API. Imports pydantic only, so clients can reuse them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+
+class LogProbsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="a served model's name; default: the first one")
+    input_ids: list[list[StrictInt]] = Field(..., min_length=1, description="token ids, one list per sequence")
+    score_from: StrictInt | list[StrictInt] = Field(
+        1, description="first scored position: entry k of a result is log p(seq[s + k] | seq[:s + k])"
+    )
+    temperature: StrictFloat | StrictInt | list[StrictFloat | StrictInt] = Field(
+        1.0, description="divides the logits; one value or one per sequence"
+    )
+    return_entropy: StrictBool = True
+
+
+class SequenceResult(BaseModel):
+    log_probs: list[float]
+    entropy: list[float] | None = None
+
+
+class Usage(BaseModel):
+    sequences: int
+    tokens: int
+    scored_tokens: int
+
+
+class LogProbsResponse(BaseModel):
+    model: str
+    weights_version: int
+    results: list[SequenceResult]
+    usage: Usage
+
+
+class ModelInfo(BaseModel):
+    name: str
+    vocab_size: int
+    max_length: int
+    weights_version: int
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(..., min_length=1, description="a checkpoint directory readable by the workers")
+
+
+class ErrorResponse(BaseModel):
+    detail: str
