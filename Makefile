@@ -20,8 +20,9 @@ lint: install
 test: lint
 	$(PY) -m pytest tests
 
+# the gateway on the built-in tiny model, on 127.0.0.1:8000 (Ray kept on loopback: a one-machine demo)
 serve: install
-	$(PY) -m ppo_logprobs.workers
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m ppo_logprobs.service $(ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_head.py

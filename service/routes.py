@@ -143,6 +143,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
         for err in exc.errors()[:5]:
+            if err["type"] == "json_invalid":
+                parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+                continue
             loc = ".".join(str(x) for x in err["loc"] if x != "body")
             value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
             parts.append(f"{loc or 'body'}: {err['msg']}{value}")

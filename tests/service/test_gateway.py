@@ -1,0 +1,187 @@
+"""The gateway under Ray Serve, called over real HTTP on loopback."""
+
+import asyncio
+import socket
+
+import httpx
+import numpy as np
+import pytest
+import ray
+import torch
+from ray import serve
+
+from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.workers import load_model
+
+from ..workers.test_log_prob_worker import alone, random_sequences
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint directory of the tiny model with other weights (the reference model, and a reload)."""
+    model = load_model("tiny", backend="torch")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    path = tmp_path_factory.mktemp("ckpt")
+    del model.forward
+    model.save_pretrained(path)
+    return str(path), load_model(str(path), backend="torch")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
+                    max_tokens_per_batch=512)
+    serve.run(build_app(main), name="main", route_prefix="/")
+    small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret")
+    serve.run(build_app(small), name="small", route_prefix="/small")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", backend="torch")
+
+
+def post(server, body, path="/logprobs", **kw):
+    return httpx.post(server + path, json=body, timeout=120, **kw)
+
+
+def check(result, model, seq, score_from=1, temperature=1.0):
+    lp, ent = alone(model, seq, score_from, temperature)
+    np.testing.assert_allclose(np.array(result["log_probs"], dtype=np.float32), lp, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.array(result["entropy"], dtype=np.float32), ent, rtol=0, atol=1e-5)
+
+
+def test_results_equal_the_model_in_order(server, tiny):
+    seqs = random_sequences(12, seed=20, hi=90)
+    starts = [1 + i % 4 for i in range(12)]
+    r = post(server, {"input_ids": seqs, "score_from": starts, "temperature": 0.8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "policy" and body["weights_version"] == 0
+    assert body["usage"] == {"sequences": 12, "tokens": sum(map(len, seqs)),
+                             "scored_tokens": sum(len(s) - k for s, k in zip(seqs, starts, strict=True))}
+    for res, seq, s in zip(body["results"], seqs, starts, strict=True):
+        check(res, tiny, seq, s, 0.8)
+    r = post(server, {"input_ids": seqs[:2], "return_entropy": False})
+    assert all("entropy" not in res for res in r.json()["results"])
+
+
+def test_two_models_chosen_per_request(server, tiny, checkpoint):
+    seqs = random_sequences(3, seed=21)
+    for name, model in (("policy", tiny), ("reference", checkpoint[1])):
+        r = post(server, {"model": name, "input_ids": seqs})
+        assert r.status_code == 200 and r.json()["model"] == name
+        for res, seq in zip(r.json()["results"], seqs, strict=True):
+            check(res, model, seq)
+    listed = httpx.get(server + "/v1/models").json()["models"]
+    assert [m["name"] for m in listed] == ["policy", "reference"] and listed[0]["vocab_size"] == 503
+
+
+MALFORMED = [
+    ("not json", "the body is not valid JSON", 422),
+    ({}, "input_ids: Field required", 422),
+    ({"input_ids": []}, "input_ids", 422),
+    ({"input_ids": [[]]}, "input_ids[0] has 0 tokens", 422),
+    ({"input_ids": [[5]]}, "input_ids[0] has 1 tokens; scoring needs at least 2", 422),
+    ({"input_ids": [[1, 2], [3, 503]]}, "input_ids[1][1] = 503 is outside the vocabulary", 422),
+    ({"input_ids": [[1, 2], [-4, 3]]}, "input_ids[1][0] = -4", 422),
+    ({"input_ids": [[1, 2.5]]}, "input_ids.0.1", 422),
+    ({"input_ids": [[1, "2"]]}, "input_ids.0.1", 422),
+    ({"input_ids": "1 2 3"}, "input_ids", 422),
+    ({"input_ids": [[1, 2, 3]], "score_from": 4}, "score_from[0] = 4 must be an integer in [1, 3]", 422),
+    ({"input_ids": [[1, 2, 3]], "score_from": 0}, "score_from[0] = 0", 422),
+    ({"input_ids": [[1, 2, 3]], "score_from": [1, 1]}, "score_from has 2 entries for 1 sequences", 422),
+    ({"input_ids": [[1, 2, 3]], "score_from": 1.5}, "score_from", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": 0}, "temperature[0] = 0 must be a positive finite number", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": -1.0}, "temperature[0] = -1.0", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": "hot"}, "temperature", 422),
+    ({"input_ids": [[1, 2, 3]], "return_entropy": "yes"}, "return_entropy", 422),
+    ({"input_ids": [[1, 2, 3]], "extra": 1}, "extra: Extra inputs are not permitted", 422),
+    ({"input_ids": [[1, 2, 3]], "model": "critic"}, "model 'critic' is not served", 404),
+    ({"input_ids": [list(range(1, 501))] * 9}, "the request has 4500 tokens; the limit is 4000", 413),
+    ({"input_ids": [[1] * 513]}, "input_ids[0] has 513 tokens; this model takes at most 512", 413),
+]
+
+
+@pytest.mark.parametrize("body, message, status", MALFORMED)
+def test_malformed_requests_get_a_4xx_naming_the_problem(server, body, message, status):
+    if isinstance(body, str):
+        r = httpx.post(server + "/logprobs", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    else:
+        r = post(server, body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["detail"], r.json()["detail"]
+    assert post(server, {"input_ids": [[1, 2, 3]]}).status_code == 200  # still healthy
+
+
+def test_concurrent_clients_each_get_their_own_results(server, tiny):
+    requests = [random_sequences(1 + i % 3, seed=100 + i, hi=50) for i in range(64)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=server, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(client.post("/logprobs", json={"input_ids": r}) for r in requests))
+
+    responses = asyncio.run(run())
+    for seqs, resp in zip(requests, responses, strict=True):
+        assert resp.status_code == 200, resp.text
+        for res, seq in zip(resp.json()["results"], seqs, strict=True):
+            check(res, tiny, seq)
+
+
+def test_auth_and_overload(server):
+    seqs = [[1, 2, 3, 4]]
+    assert post(server, {"input_ids": seqs}, "/small/logprobs").status_code == 401
+    bad = {"Authorization": "Bearer wrong"}
+    assert post(server, {"input_ids": seqs}, "/small/logprobs", headers=bad).status_code == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert post(server, {"input_ids": seqs}, "/small/logprobs", headers=good).status_code == 200
+    assert httpx.get(server + "/small/healthz").status_code == 200  # health needs no key
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=server, timeout=120, headers=good) as client:
+            return await asyncio.gather(*(client.post("/small/logprobs", json={"input_ids": seqs}) for _ in range(40)))
+
+    responses = asyncio.run(flood())
+    codes = {r.status_code for r in responses}
+    assert codes <= {200, 429} and 429 in codes and 200 in codes
+    assert all(r.headers["Retry-After"] == "1" for r in responses if r.status_code == 429)
+
+
+def test_reload_switches_to_the_new_checkpoint(server, tiny, checkpoint):
+    seqs = random_sequences(3, seed=22)
+    r = post(server, {"path": checkpoint[0]}, "/v1/models/policy/reload")
+    assert r.status_code == 200, r.text
+    assert r.json()["weights_version"] == 1
+    body = post(server, {"input_ids": seqs}).json()
+    assert body["weights_version"] == 1
+    for res, seq in zip(body["results"], seqs, strict=True):
+        check(res, checkpoint[1], seq)
+    assert post(server, {"path": "/no/such/dir"}, "/v1/models/policy/reload").status_code >= 400
+    assert post(server, {"input_ids": seqs}).json()["weights_version"] == 1
+
+
+def test_health_ready_metrics_docs(server):
+    assert httpx.get(server + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(server + "/readyz")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    metrics = httpx.get(server + "/metrics").text
+    assert 'ppo_logprobs_requests_total{status="200"}' in metrics
+    assert "ppo_logprobs_latency_seconds_bucket" in metrics and "ppo_logprobs_queue_depth" in metrics
+    assert httpx.get(server + "/docs").status_code == 200
+    assert "/logprobs" in httpx.get(server + "/openapi.json").json()["paths"]
