@@ -185,3 +185,69 @@ def test_health_ready_metrics_docs(server):
     assert "ppo_logprobs_latency_seconds_bucket" in metrics and "ppo_logprobs_queue_depth" in metrics
     assert httpx.get(server + "/docs").status_code == 200
     assert "/logprobs" in httpx.get(server + "/openapi.json").json()["paths"]
+
+
+def test_a_worker_killed_under_load(server, tiny, checkpoint):
+    """SIGKILL the policy worker's process mid-load: every answer is right for its own request or a clear 5xx,
+    and the service recovers with the weights it served before (the reload test may have changed them)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    version = httpx.get(server + "/v1/models").json()["models"][0]["weights_version"]
+    model = tiny if version == 0 else checkpoint[1]
+    requests = [random_sequences(2, seed=300 + i, lo=100, hi=400) for i in range(24)]
+    pid = next(w["pid"] for w in httpx.get(server + "/readyz").json()["models"]["policy"])
+
+    def kill_soon():
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=300) as client:
+            return await asyncio.gather(*(client.post("/logprobs", json={"input_ids": r}) for r in requests))
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    responses = asyncio.run(run())
+    killer.join()
+    for seqs, resp in zip(requests, responses, strict=True):
+        if resp.status_code == 200:
+            assert resp.json()["weights_version"] == version
+            for res, seq in zip(resp.json()["results"], seqs, strict=True):
+                check(res, model, seq)
+        else:
+            assert resp.status_code == 503 and "workers failed" in resp.json()["detail"]
+    assert sum(r.status_code == 200 for r in responses) > 0
+    deadline = time.monotonic() + 120
+    while httpx.get(server + "/readyz", timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the service did not recover"
+        time.sleep(1)
+    assert next(w["pid"] for w in httpx.get(server + "/readyz").json()["models"]["policy"]) != pid
+    seqs = random_sequences(3, seed=400)
+    body = post(server, {"input_ids": seqs}).json()
+    assert body["weights_version"] == version
+    for res, seq in zip(body["results"], seqs, strict=True):
+        check(res, model, seq)
+
+
+def test_graceful_shutdown_finishes_requests_in_flight(server):
+    """Deleting an application lets the requests it already holds finish (the small app waits 200 ms to batch)."""
+    import threading
+
+    good = {"Authorization": "Bearer s3cret"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=120, headers=good) as client:
+            tasks = [asyncio.create_task(client.post("/small/logprobs", json={"input_ids": [[1, 2, 3, 4]]}))
+                     for _ in range(2)]
+            await asyncio.sleep(0.1)  # both are queued in the replica's batcher now
+            stopper = threading.Thread(target=serve.delete, args=("small",))
+            stopper.start()
+            done = await asyncio.gather(*tasks)
+            stopper.join()
+            return done
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200, 200]
