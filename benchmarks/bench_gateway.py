@@ -1,0 +1,115 @@
+"""Requests/s and tokens/s through the HTTP gateway against calling the pool directly, same sequences.
+
+The gateway is saturated by concurrent clients; the pool is called with the same sequences in calls of the
+gateway's batch size, which is the best the gateway could do. Both pack rows of at most --row-tokens tokens,
+so the model does the same work either way.
+
+  python benchmarks/bench_gateway.py                           # CPU, the built-in tiny model
+  python benchmarks/bench_gateway.py --model /ckpt --dtype bfloat16 --requests 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import time
+
+import httpx
+import numpy as np
+import ray
+from ray import serve
+
+from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.workers import WorkerPool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dtype")
+    parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--sequences", type=int, default=4, help="per request")
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per pool call (both paths)")
+    parser.add_argument("--row-tokens", type=int, default=1024, help="max_tokens_per_batch of the workers")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one machine: keep Ray on loopback
+    backend = "torch" if args.model == "tiny" else "auto"
+    vocab = 503 if args.model == "tiny" else 32000
+    g = np.random.default_rng(0)
+    requests = [
+        [g.integers(0, vocab, g.integers(args.min_len, args.max_len + 1)).tolist() for _ in range(args.sequences)]
+        for _ in range(args.requests)
+    ]
+    tokens = sum(len(s) for r in requests for s in r)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    extra = {"dtype": args.dtype} if args.dtype else {}
+    out = dict(date=time.strftime("%Y-%m-%d"), model=args.model, requests=args.requests, tokens=tokens,
+               clients=args.clients)
+
+    # direct: the same sequences through a pool of its own, in calls of batch_tokens
+    import torch
+
+    pool = WorkerPool.create(args.model, 1, backend=backend, max_tokens_per_batch=args.row_tokens,
+                             **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
+    flat = [s for r in requests for s in r]
+    calls, call, size = [], [], 0
+    for s in flat:
+        if size + len(s) > args.batch_tokens and call:
+            calls.append(call)
+            call, size = [], 0
+        call.append(s)
+        size += len(s)
+    calls.append(call)
+    pool.compute_log_probs(calls[0])  # warm-up
+    start = time.perf_counter()
+    for c in calls:
+        pool.compute_log_probs(c)
+    direct_s = time.perf_counter() - start
+    pool.shutdown()
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = Settings(models={"policy": args.model}, backend=backend, batch_tokens=args.batch_tokens,
+                        max_tokens_per_batch=args.row_tokens, max_queue=args.requests, **extra)
+    serve.run(build_app(settings), name="bench", route_prefix="/")
+
+    async def run() -> float:
+        limits = httpx.Limits(max_connections=args.clients)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
+            await client.post("/logprobs", json={"input_ids": requests[0]})  # warm-up
+            sem = asyncio.Semaphore(args.clients)
+
+            async def one(r):
+                async with sem:
+                    resp = await client.post("/logprobs", json={"input_ids": r})
+                    resp.raise_for_status()
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(r) for r in requests))
+            return time.perf_counter() - start
+
+    http_s = asyncio.run(run())
+    serve.shutdown()
+    out.update(direct_tokens_per_s=tokens / direct_s, http_tokens_per_s=tokens / http_s,
+               http_requests_per_s=args.requests / http_s, http_over_direct=direct_s / http_s)
+    print(json.dumps(out), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
