@@ -22,7 +22,7 @@ test: lint
 
 # the gateway on the built-in tiny model, on 127.0.0.1:8000 (Ray kept on loopback: a one-machine demo)
 serve: install
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m ppo_logprobs.service $(ARGS)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_head.py

@@ -14,7 +14,9 @@ log = logging.getLogger("ppo_logprobs.service")
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(description="ppo-logprobs gateway (flags override PPO_LOGPROBS_* variables)")
+    parser = argparse.ArgumentParser(
+        prog="ppo-logprobs serve", description="ppo-logprobs gateway (flags override PPO_LOGPROBS_* variables)"
+    )
     parser.add_argument("--model", action="append", metavar="NAME=PATH",
                         help='a served model, "tiny" or a local checkpoint; repeat for several (default: policy=tiny)')
     parser.add_argument("--workers-per-model", type=int)
@@ -24,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--api-key")
+    parser.add_argument("--pool-name", default="ppo_logprobs",
+                        help="pools are named '<pool-name>:<model>' for trainers' connect_pool (default: %(default)s)")
     args = vars(parser.parse_args(argv))
     models = args.pop("model")
     flags = {k: v for k, v in args.items() if v is not None}

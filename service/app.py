@@ -67,7 +67,8 @@ class Gateway:
         for name, path in settings.models.items():
             pool = WorkerPool.create(
                 path, settings.workers_per_model, num_gpus_per_worker=settings.gpus_per_worker,
-                max_tokens_per_batch=settings.max_tokens_per_batch, **load,
+                max_tokens_per_batch=settings.max_tokens_per_batch,
+                name=f"{settings.pool_name}:{name}" if settings.pool_name else None, **load,
             )
             batcher = Batcher(
                 pool, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
@@ -78,6 +79,12 @@ class Gateway:
 
     def health(self) -> dict[str, list[dict]]:
         return {name: m.pool.health(timeout=10) for name, m in self.models.items()}
+
+    def __del__(self) -> None:
+        # Serve calls this when the replica shuts down: named pools are detached and would outlive it
+        for m in getattr(self, "models", {}).values():
+            if m.pool.name:
+                m.pool.shutdown()
 
 
 def _dtype(name: str):

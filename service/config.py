@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once")
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
     backend: str = "auto"
+    pool_name: str | None = Field(
+        None, description="name the pools '<pool_name>:<model>' (detached) so trainers can attach with connect_pool"
+    )
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

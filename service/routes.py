@@ -96,12 +96,18 @@ async def logprobs(body: LogProbsRequest, gw: GatewayDep) -> LogProbsResponse:
     )
 
 
+def model_info(gw, name: str, version: int) -> ModelInfo:
+    return ModelInfo(
+        name=name, vocab_size=gw.models[name].vocab_size, max_length=gw.settings.max_tokens_per_batch,
+        max_request_tokens=gw.settings.max_request_tokens, weights_version=version,
+    )
+
+
 @router.get("/v1/models", response_model=ModelList, dependencies=Authorized)
 async def list_models(gw: GatewayDep) -> ModelList:
     return ModelList(
         models=[
-            ModelInfo(name=name, vocab_size=m.vocab_size, max_length=gw.settings.max_tokens_per_batch,
-                      weights_version=m.pool.weights_version)
+            model_info(gw, name, m.pool.weights_version)
             for name, m in gw.models.items()
         ]
     )
@@ -112,8 +118,7 @@ async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo:
     name, model = served(gw, name)
     # actors finish the calls they hold before loading: requests in flight keep the version they started with
     version = await asyncio.to_thread(model.pool.update_weights, body.path)
-    return ModelInfo(name=name, vocab_size=model.vocab_size, max_length=gw.settings.max_tokens_per_batch,
-                     weights_version=version)
+    return model_info(gw, name, version)
 
 
 @router.get("/healthz")

@@ -40,7 +40,8 @@ class LogProbsResponse(BaseModel):
 class ModelInfo(BaseModel):
     name: str
     vocab_size: int
-    max_length: int
+    max_length: int = Field(..., description="tokens in one sequence")
+    max_request_tokens: int = Field(..., description="tokens in one request; clients split larger batches")
     weights_version: int
 
 

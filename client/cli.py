@@ -1,0 +1,138 @@
+"""The `ppo-logprobs` command: serve | score | bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _write(stream, text: str) -> None:
+    stream.write(text)
+    stream.flush()
+
+
+def _completed_lines(path: str) -> int:
+    """Lines already written to `path`; a partial last line (a run killed mid-write) is cut off."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            f.truncate(keep)
+    return data[:keep].count(b"\n")
+
+
+def _read_input(path: str) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids = row["input_ids"]
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"{path}:{number}: expected a JSON object with 'input_ids'") from None
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise SystemExit(f"{path}:{number}: input_ids must be a list of integers")
+            rows.append({"input_ids": ids, "score_from": int(row.get("score_from", 1))})
+    return rows
+
+
+def score(args: argparse.Namespace) -> None:
+    from .log_prob_client import LogProbClient
+
+    rows = _read_input(args.input)
+    done = _completed_lines(args.output)
+    if done > len(rows):
+        raise SystemExit(f"{args.output} has {done} lines but {args.input} only {len(rows)}: not its output")
+    total_tokens = sum(len(r["input_ids"]) for r in rows[done:])
+    tokens, start = 0, time.perf_counter()
+    with LogProbClient(args.url, api_key=args.api_key) as client, open(args.output, "a") as out:
+        for lo in range(done, len(rows), args.batch_sequences):
+            batch = rows[lo : lo + args.batch_sequences]
+            results = client.score([r["input_ids"] for r in batch], [r["score_from"] for r in batch],
+                                   args.temperature, model=args.model, return_entropy=not args.no_entropy)
+            for i, r in enumerate(results, lo):
+                line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
+                if r.entropy is not None:
+                    line["entropy"] = r.entropy.tolist()
+                out.write(json.dumps(line) + "\n")
+            out.flush()
+            tokens += sum(len(r["input_ids"]) for r in batch)
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            _write(sys.stderr, f"\r{lo + len(batch)}/{len(rows)} sequences, {tokens}/{total_tokens} tokens, "
+                               f"{rate:,.0f} tokens/s")
+    _write(sys.stderr, f"\nwrote {args.output} ({len(rows) - done} new lines, {done} kept from before)\n")
+
+
+def bench(args: argparse.Namespace) -> None:
+    from .log_prob_client import AsyncLogProbClient
+
+    async def run() -> dict:
+        async with AsyncLogProbClient(args.url, api_key=args.api_key) as client:
+            models = await client.models()
+            info = next((m for m in models if m.name == args.model), models[0])
+            g = np.random.default_rng(0)
+            requests = [[g.integers(0, info.vocab_size, g.integers(args.min_len, args.max_len + 1)).tolist()
+                         for _ in range(args.sequences)] for _ in range(args.requests)]
+            await client.score(requests[0], model=info.name)  # warm-up
+            sem = asyncio.Semaphore(args.clients)
+
+            async def one(r):
+                async with sem:
+                    await client.score(r, model=info.name)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(r) for r in requests))
+            seconds = time.perf_counter() - start
+            tokens = sum(len(s) for r in requests for s in r)
+            return dict(model=info.name, requests=args.requests, clients=args.clients, tokens=tokens,
+                        seconds=seconds, requests_per_s=args.requests / seconds, tokens_per_s=tokens / seconds,
+                        retries=client.retries)
+
+    _write(sys.stdout, json.dumps(asyncio.run(run())) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ppo-logprobs", description="Per-token log-probs and entropies for PPO.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="start the gateway and its workers (flags: serve --help)", add_help=False)
+
+    p = sub.add_parser("score", help="score a JSONL file of sequences through a running service")
+    p.add_argument("input", help='JSONL, one {"input_ids": [...], "score_from": k} per line (score_from optional)')
+    p.add_argument("-o", "--output", required=True, help="JSONL results, one per input line; resumed if present")
+    p.add_argument("--model", help="served model name (default: the service's first)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--no-entropy", action="store_true")
+    p.add_argument("--batch-sequences", type=int, default=256, help="sequences per call (and per flush)")
+
+    b = sub.add_parser("bench", help="throughput of a running service: random requests from concurrent clients")
+    b.add_argument("--model")
+    b.add_argument("--requests", type=int, default=200)
+    b.add_argument("--clients", type=int, default=16)
+    b.add_argument("--sequences", type=int, default=4, help="per request")
+    b.add_argument("--min-len", type=int, default=64)
+    b.add_argument("--max-len", type=int, default=512)
+    for q in (p, b):
+        q.add_argument("--url", default=os.environ.get("PPO_LOGPROBS_URL", "http://127.0.0.1:8000"))
+        q.add_argument("--api-key", default=os.environ.get("PPO_LOGPROBS_API_KEY"))
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from ppo_logprobs.service.__main__ import main as serve_main
+
+        return serve_main(argv[1:])
+    args = parser.parse_args(argv)
+    {"score": score, "bench": bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

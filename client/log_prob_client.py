@@ -1,0 +1,219 @@
+"""HTTP clients of the gateway (sync and async), and connect_pool for trainers on the same Ray cluster.
+
+Both clients split a batch under the server's per-request token limit and join the results in order, retry
+429 and 503 answers after their Retry-After (with backoff when there is none), and raise LogProbError with
+the server's message for anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+
+from ppo_logprobs.service.schemas import ModelInfo
+
+RETRY_STATUSES = (429, 503)
+
+
+class LogProbError(RuntimeError):
+    """The server refused or failed a request; `status` and `detail` are what it said."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+@dataclass
+class SequenceLogProbs:
+    log_probs: np.ndarray  # float32; entry k scores token score_from + k
+    entropy: np.ndarray | None
+    weights_version: int
+
+
+def _chunks(input_ids: Sequence[Sequence[int]], limit: int | None) -> list[range]:
+    """Index ranges of consecutive sequences, each under `limit` tokens (a longer sequence goes alone)."""
+    out, start, tokens = [], 0, 0
+    for i, seq in enumerate(input_ids):
+        if limit is not None and tokens and tokens + len(seq) > limit:
+            out.append(range(start, i))
+            start, tokens = i, 0
+        tokens += len(seq)
+    out.append(range(start, len(input_ids)))
+    return out
+
+
+def _per_sequence(value, n: int) -> list:
+    return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value] * n
+
+
+def _bodies(input_ids, score_from, temperature, model, return_entropy, limit) -> list[dict]:
+    n = len(input_ids)
+    starts, temps = _per_sequence(score_from, n), _per_sequence(temperature, n)
+    if len(starts) != n or len(temps) != n:
+        raise ValueError(f"score_from and temperature need one value or {n} (one per sequence)")
+    bodies = []
+    for part in _chunks(input_ids, limit):
+        body = {
+            "input_ids": [list(map(int, input_ids[i])) for i in part],
+            "score_from": [int(starts[i]) for i in part],
+            "temperature": [float(temps[i]) for i in part],
+            "return_entropy": return_entropy,
+        }
+        if model is not None:
+            body["model"] = model
+        bodies.append(body)
+    return bodies
+
+
+def _results(responses: list[dict]) -> list[SequenceLogProbs]:
+    out = []
+    for resp in responses:
+        for r in resp["results"]:
+            entropy = r.get("entropy")
+            out.append(SequenceLogProbs(
+                log_probs=np.asarray(r["log_probs"], dtype=np.float32),
+                entropy=np.asarray(entropy, dtype=np.float32) if entropy is not None else None,
+                weights_version=resp["weights_version"],
+            ))
+    return out
+
+
+def _wait_s(response: httpx.Response, attempt: int, backoff: float) -> float:
+    try:
+        return max(0.0, float(response.headers["Retry-After"]))
+    except (KeyError, ValueError):
+        return backoff * 2**attempt
+
+
+def _raise_for(response: httpx.Response) -> dict:
+    if response.status_code == 200:
+        return response.json()
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    raise LogProbError(response.status_code, str(detail))
+
+
+class _Base:
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_retries: int, backoff: float,
+                 max_request_tokens: int | None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
+        self.max_request_tokens = max_request_tokens
+        self._limits: dict[str | None, int] = {}
+
+    def _limit_from(self, models: list[ModelInfo], model: str | None) -> int:
+        info = next((m for m in models if m.name == model), models[0]) if models else None
+        return self.max_request_tokens or (info.max_request_tokens if info else 0) or 1 << 62
+
+
+class LogProbClient(_Base):
+    """Synchronous client: `LogProbClient("http://127.0.0.1:8000").score([[1, 2, 3]])`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 600,
+                 max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_request_tokens)
+        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
+        self.retries = 0  # answers retried so far (429/503)
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        for attempt in range(self.max_retries + 1):
+            response = self._http.request(method, path, json=body)
+            if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
+                return _raise_for(response)
+            self.retries += 1
+            time.sleep(_wait_s(response, attempt, self.backoff))
+        raise AssertionError("unreachable")
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo(**m) for m in self._call("GET", "/v1/models")["models"]]
+
+    def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+              temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
+              return_entropy: bool = True) -> list[SequenceLogProbs]:
+        """One SequenceLogProbs per sequence, in order (split into several requests when needed)."""
+        if model not in self._limits:
+            self._limits[model] = self._limit_from(self.models(), model)
+        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
+        return _results([self._call("POST", "/logprobs", b) for b in bodies])
+
+    def reload(self, model: str, path: str) -> ModelInfo:
+        """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info."""
+        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", {"path": path}))
+
+    def ready(self) -> bool:
+        return self._http.get("/readyz").status_code == 200
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> LogProbClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncLogProbClient(_Base):
+    """Asynchronous client; the split requests of one call are sent concurrently."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 600,
+                 max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_request_tokens)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
+        self.retries = 0
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        for attempt in range(self.max_retries + 1):
+            response = await self._http.request(method, path, json=body)
+            if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
+                return _raise_for(response)
+            self.retries += 1
+            await asyncio.sleep(_wait_s(response, attempt, self.backoff))
+        raise AssertionError("unreachable")
+
+    async def models(self) -> list[ModelInfo]:
+        return [ModelInfo(**m) for m in (await self._call("GET", "/v1/models"))["models"]]
+
+    async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+                    temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
+                    return_entropy: bool = True) -> list[SequenceLogProbs]:
+        if model not in self._limits:
+            self._limits[model] = self._limit_from(await self.models(), model)
+        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
+        return _results(list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies))))
+
+    async def reload(self, model: str, path: str) -> ModelInfo:
+        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", {"path": path})))
+
+    async def ready(self) -> bool:
+        return (await self._http.get("/readyz")).status_code == 200
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncLogProbClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def connect_pool(model: str = "policy", *, service: str = "ppo_logprobs", address: str = "auto"):
+    """The WorkerPool of `model` in a running service (started with --pool-name `service`), for a trainer on
+    the same Ray cluster; joins the cluster at `address` when this process has not yet."""
+    import ray
+
+    from ppo_logprobs.workers import WorkerPool
+
+    if not ray.is_initialized():
+        ray.init(address=address)
+    return WorkerPool.connect(f"{service}:{model}")

@@ -1,0 +1,187 @@
+"""Clients and the command line against the real service over loopback."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray import serve
+
+from ppo_logprobs.client import AsyncLogProbClient, LogProbClient, LogProbError, connect_pool
+from ppo_logprobs.client.log_prob_client import _chunks
+from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.workers import load_model
+
+from ..workers.test_log_prob_worker import alone, random_sequences
+
+CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def url():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
+    serve.run(build_app(settings), name="client", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", backend="torch")
+
+
+def assert_equal_to_model(results, seqs, model, starts=None):
+    assert len(results) == len(seqs)
+    for i, (r, seq) in enumerate(zip(results, seqs, strict=True)):
+        lp, ent = alone(model, seq, starts[i] if starts else 1)
+        assert r.log_probs.dtype == np.float32
+        np.testing.assert_allclose(r.log_probs, lp, rtol=0, atol=1e-5, err_msg=f"sequence {i}")
+        np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5, err_msg=f"sequence {i}")
+
+
+def requests_served(url) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("ppo_logprobs_requests_total"))
+
+
+def test_sync_client_splits_large_batches_and_keeps_order(url, tiny):
+    seqs = random_sequences(60, seed=30, lo=20, hi=200)  # ~6600 tokens: over the server's 3000 per request
+    starts = [1 + i % 5 for i in range(60)]
+    before = requests_served(url)
+    with LogProbClient(url) as client:
+        assert client.models()[0].max_request_tokens == 3000
+        results = client.score(seqs, starts)
+    assert_equal_to_model(results, seqs, tiny, starts)
+    assert requests_served(url) - before >= len(_chunks(seqs, 3000)) >= 3
+
+
+def test_async_client(url, tiny):
+    seqs = random_sequences(30, seed=31, hi=120)
+
+    async def run():
+        async with AsyncLogProbClient(url, max_request_tokens=500) as client:
+            return await client.score(seqs)
+
+    assert_equal_to_model(asyncio.run(run()), seqs, tiny)
+
+
+def test_errors_carry_the_server_message(url):
+    with LogProbClient(url) as client:
+        with pytest.raises(LogProbError, match=r"HTTP 422: input_ids\[0\]\[1\] = 9999 is outside the vocabulary"):
+            client.score([[1, 9999]])
+        with pytest.raises(LogProbError, match="HTTP 404: model 'critic' is not served"):
+            client.score([[1, 2]], model="critic")
+
+
+class _BusyFirst(BaseHTTPRequestHandler):
+    """Answers the first POST with 429 (Retry-After: 1), then forwards to the real service."""
+
+    target = ""
+    posts: list = []
+
+    def do_GET(self):
+        self._forward(httpx.get(self.target + self.path))
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts.append(time.monotonic())
+        if len(self.posts) == 1:
+            self.send_response(429)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail": "overloaded: retry after 1 s"}')
+            return
+        self._forward(httpx.post(self.target + self.path, content=body, headers={"Content-Type": "application/json"}))
+
+    def _forward(self, response):
+        self.send_response(response.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_retries_429_after_retry_after(url, tiny):
+    _BusyFirst.target, _BusyFirst.posts = url, []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _BusyFirst)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        seqs = random_sequences(4, seed=32)
+        with LogProbClient(f"http://127.0.0.1:{proxy.server_port}") as client:
+            results = client.score(seqs)
+            assert client.retries == 1
+        assert_equal_to_model(results, seqs, tiny)
+        assert len(_BusyFirst.posts) == 2 and _BusyFirst.posts[1] - _BusyFirst.posts[0] >= 0.9  # waited Retry-After
+    finally:
+        proxy.shutdown()
+
+
+def test_connect_pool_gives_the_services_workers(url, tiny):
+    pool = connect_pool("policy", service="client-test")
+    seqs = random_sequences(5, seed=33)
+    assert_equal_to_model(pool.compute_log_probs(seqs), seqs, tiny)
+
+
+def test_score_command_resumes_after_being_killed(url, tiny, tmp_path):
+    seqs = random_sequences(300, seed=34, lo=5, hi=120)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"input_ids": s, "score_from": 1 + i % 3}) + "\n" for i, s in enumerate(seqs)))
+    cmd = CLI + ["score", str(src), "-o", str(out), "--url", url, "--batch-sequences", "5"]
+    first = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not out.exists() or out.read_text().count("\n") < 40:
+        assert first.poll() is None and time.monotonic() < deadline, "the first run ended too early or hung"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    kept = out.read_text().count("\n")
+    assert 40 <= kept < 300
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{kept} kept from before" in done.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(300))
+    for i, (line, seq) in enumerate(zip(lines, seqs, strict=True)):
+        lp, ent = alone(tiny, seq, 1 + i % 3)
+        np.testing.assert_allclose(np.array(line["log_probs"], dtype=np.float32), lp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.array(line["entropy"], dtype=np.float32), ent, rtol=0, atol=1e-5)
+
+
+def test_bench_command(url):
+    done = subprocess.run(CLI + ["bench", "--url", url, "--requests", "12", "--clients", "4", "--max-len", "100"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["requests"] == 12 and report["tokens"] > 0 and report["tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("command, expected", [
+    ([], "serve,score,bench"), (["score"], "--batch-sequences"), (["bench"], "--clients"), (["serve"], "--model"),
+])
+def test_help_of_each_command(command, expected):
+    done = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 0 and expected in done.stdout
