@@ -150,7 +150,16 @@ class LogProbClient(_Base):
         return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", {"path": path}))
 
     def ready(self) -> bool:
+        """Models loaded and every worker up (GET /readyz)."""
         return self._http.get("/readyz").status_code == 200
+
+    def alive(self) -> bool:
+        """The gateway answers (GET /healthz)."""
+        return self._http.get("/healthz").status_code == 200
+
+    def metrics(self) -> str:
+        """The Prometheus exposition text (GET /metrics)."""
+        return self._http.get("/metrics").text
 
     def close(self) -> None:
         self._http.close()
@@ -196,6 +205,12 @@ class AsyncLogProbClient(_Base):
 
     async def ready(self) -> bool:
         return (await self._http.get("/readyz")).status_code == 200
+
+    async def alive(self) -> bool:
+        return (await self._http.get("/healthz")).status_code == 200
+
+    async def metrics(self) -> str:
+        return (await self._http.get("/metrics")).text
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -40,6 +40,8 @@ def url():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
     serve.run(build_app(settings), name="client", route_prefix="/")
+    guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y")
+    serve.run(build_app(guarded), name="guarded", route_prefix="/guarded")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -83,6 +85,17 @@ def test_async_client(url, tiny):
             return await client.score(seqs)
 
     assert_equal_to_model(asyncio.run(run()), seqs, tiny)
+
+
+def test_api_key_and_status_endpoints(url, tiny):
+    seqs = random_sequences(2, seed=35)
+    with LogProbClient(url + "/guarded") as anonymous:
+        with pytest.raises(LogProbError, match="HTTP 401: missing or wrong API key"):
+            anonymous.score(seqs)
+    with LogProbClient(url + "/guarded", api_key="k3y") as client:
+        assert client.alive() and client.ready()
+        assert_equal_to_model(client.score(seqs), seqs, tiny)
+        assert 'ppo_logprobs_requests_total{status="200"}' in client.metrics()
 
 
 def test_errors_carry_the_server_message(url):
