@@ -4,7 +4,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,15 +21,10 @@ from ppo_logprobs.client.log_prob_client import _chunks
 from ppo_logprobs.service import Settings, build_app
 from ppo_logprobs.workers import load_model
 
-from ..workers.test_log_prob_worker import alone, random_sequences
+from ..helpers import alone, free_port, random_sequences
 
 CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

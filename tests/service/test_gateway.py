@@ -1,7 +1,6 @@
 """The gateway under Ray Serve, called over real HTTP on loopback."""
 
 import asyncio
-import socket
 
 import httpx
 import numpy as np
@@ -13,13 +12,7 @@ from ray import serve
 from ppo_logprobs.service import Settings, build_app
 from ppo_logprobs.workers import load_model
 
-from ..workers.test_log_prob_worker import alone, random_sequences
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..helpers import alone, free_port, random_sequences
 
 
 @pytest.fixture(scope="module")

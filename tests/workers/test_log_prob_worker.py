@@ -7,20 +7,7 @@ import torch
 from ppo_logprobs.workers import LogProbWorker, load_model
 from ppo_logprobs.workers.log_prob_worker import pack_sequences
 
-VOCAB = 503  # the built-in "tiny" model
-
-
-def random_sequences(n, seed, lo=2, hi=60):
-    g = np.random.default_rng(seed)
-    return [g.integers(0, VOCAB, g.integers(lo, hi)).tolist() for _ in range(n)]
-
-
-def alone(model, seq, score_from=1, temperature=1.0):
-    """The patched model on one unpadded sequence, cut to the entries the worker returns."""
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([seq]), temperature=temperature)
-    span = slice(score_from - 1, len(seq) - 1)
-    return out.log_probs[0, span].numpy(), out.entropy[0, span].numpy()
+from ..helpers import alone, random_sequences
 
 
 @pytest.fixture(scope="module")

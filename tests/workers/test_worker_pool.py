@@ -12,7 +12,7 @@ import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
 
-from .test_log_prob_worker import alone, random_sequences
+from ..helpers import alone, random_sequences
 
 
 @pytest.fixture(scope="module")
