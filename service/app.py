@@ -67,12 +67,13 @@ class Gateway:
         for name, path in settings.models.items():
             pool = WorkerPool.create(
                 path, settings.workers_per_model, num_gpus_per_worker=settings.gpus_per_worker,
-                max_tokens_per_batch=settings.max_tokens_per_batch,
+                max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
                 name=f"{settings.pool_name}:{name}" if settings.pool_name else None, **load,
             )
             batcher = Batcher(
                 pool, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
                 max_queue=settings.max_queue, max_in_flight=settings.max_batches_in_flight,
+                timeout_s=settings.request_timeout_s,
             )
             self.models[name] = ServedModel(pool, batcher, pool.vocab_size)
             log.info("serving %s from %s on %d workers", name, path, settings.workers_per_model)
@@ -114,7 +115,7 @@ def build_app(settings: Settings):
     app = make_fastapi()
 
     @serve.deployment(
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
         max_ongoing_requests=settings.max_queue * len(settings.models) + 64,
         graceful_shutdown_timeout_s=60,
     )
@@ -125,3 +126,9 @@ def build_app(settings: Settings):
             set_gateway(self)
 
     return LogProbsIngress.bind(settings)
+
+
+def app_builder(args: dict):
+    """For `serve deploy` / `serve run`: import_path ppo_logprobs.service.app:app_builder, with the Settings as
+    the application's args (PPO_LOGPROBS_* environment variables fill what args leave out)."""
+    return build_app(Settings(**args))

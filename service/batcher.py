@@ -6,6 +6,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import ray
+
+
+class WorkersTimedOut(RuntimeError):
+    """A pool call outlived request_timeout_s."""
+
 
 class Overloaded(Exception):
     """The model's queue is full; the client should retry after `retry_after` seconds."""
@@ -32,8 +38,10 @@ class Batcher:
     """submit() queues a validated request; a background task gathers queued requests up to `batch_tokens` or
     `wait_s`, sends them to the pool as one call, and hands each request its own slice of the results."""
 
-    def __init__(self, pool, *, batch_tokens: int, wait_s: float, max_queue: int, max_in_flight: int) -> None:
+    def __init__(self, pool, *, batch_tokens: int, wait_s: float, max_queue: int, max_in_flight: int,
+                 timeout_s: float = 300.0) -> None:
         self.pool = pool
+        self.timeout_s = timeout_s
         self.batch_tokens = batch_tokens
         self.wait_s = wait_s
         self.max_in_flight = max_in_flight
@@ -86,7 +94,14 @@ class Batcher:
             temps = [t for item in batch for t in item.temperature]
             entropy = any(item.return_entropy for item in batch)
             try:
-                results = await self.pool.compute_log_probs_async(ids, starts, temps, entropy)
+                ref = self.pool.compute_log_probs_async(ids, starts, temps, entropy)
+                try:
+                    results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+                except asyncio.TimeoutError:
+                    ray.cancel(ref, force=True)
+                    raise WorkersTimedOut(
+                        f"the workers did not answer within {self.timeout_s:.0f} s (a node down, or overloaded)"
+                    ) from None
             except Exception as e:  # every request of the batch gets the failure, none is left waiting
                 for item in batch:
                     if not item.future.done():

@@ -17,6 +17,9 @@ class Settings(BaseSettings):
     )
     workers_per_model: int = Field(1, ge=1)
     gpus_per_worker: float | None = Field(None, ge=0, description="default: 1 when the cluster has GPUs, else 0")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each worker needs, to pin workers to node types"
+    )
     max_tokens_per_batch: int = Field(16384, ge=1, description="tokens per forward in a worker (max length too)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     batch_tokens: int = Field(65536, ge=1, description="tokens gathered from concurrent requests into one call")
@@ -25,6 +28,10 @@ class Settings(BaseSettings):
     max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once")
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
     backend: str = "auto"
+    gateway_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources of the gateway replica (e.g. to keep it on the head)"
+    )
+    request_timeout_s: float = Field(300.0, gt=0, description="a pool call not answered by then fails with 503")
     pool_name: str | None = Field(
         None, description="name the pools '<pool_name>:<model>' (detached) so trainers can attach with connect_pool"
     )

@@ -101,7 +101,16 @@ class LogProbWorker:
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
 
     def info(self) -> dict:
+        node = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
         return dict(
+            node_id=node,
             vocab_size=self.model.config.vocab_size,
             device=str(self.device),
             weights_version=self.weights_version,

@@ -120,16 +120,18 @@ class WorkerPool:
         max_tokens_per_batch: int = 16384,
         max_restarts: int = 3,
         ready_timeout_s: float = 300.0,
+        resources: dict[str, float] | None = None,
         **load_options,
     ) -> WorkerPool:
         """Starts num_workers actors in one placement group. num_gpus_per_worker defaults to 1 when the cluster
-        has GPUs and 0 (CPU actors) when it has none. With a name, actors and placement group are named and
+        has GPUs and 0 (CPU actors) when it has none; `resources` adds custom Ray resources per worker (to pin the
+        workers to node types that have them). With a name, actors and placement group are named and
         detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {})}
+        bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         placement = placement_group([bundle] * num_workers, strategy="PACK", lifetime="detached" if name else None)
         try:
             ray.get(placement.ready(), timeout=ready_timeout_s)
@@ -147,6 +149,7 @@ class WorkerPool:
                 actor.options(
                     num_cpus=1,
                     num_gpus=num_gpus_per_worker,
+                    resources=resources or {},
                     max_restarts=max_restarts,
                     max_task_retries=max_restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i),

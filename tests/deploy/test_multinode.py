@@ -1,0 +1,68 @@
+"""Two Ray nodes on this machine (Ray's own multi-node test harness: one raylet process per node): the workers
+go to the node that has the worker resource, requests go through the gateway on the head; losing the worker
+node is reported and service resumes when a worker node is back."""
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.workers import load_model
+
+from ..helpers import alone, free_port, random_sequences
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    serve.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def wait_until(check, seconds=180, what="condition"):
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(1)
+
+
+def test_workers_on_the_gpu_node_gateway_on_the_head(cluster):
+    worker_node = cluster.add_node(num_cpus=2, resources={"logprob_gpu": 2})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    settings = Settings(models={"policy": "tiny"}, backend="torch", worker_resources={"logprob_gpu": 1},
+                        gateway_resources={"head": 0.01}, request_timeout_s=10)
+    serve.run(build_app(settings), name="multinode", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    tiny = load_model("tiny", backend="torch")
+
+    def score_ok():
+        seqs = random_sequences(4, seed=int(time.monotonic()))
+        r = httpx.post(url + "/logprobs", json={"input_ids": seqs}, timeout=60)
+        assert r.status_code == 200, r.text
+        for res, seq in zip(r.json()["results"], seqs, strict=True):
+            np.testing.assert_allclose(np.array(res["log_probs"], dtype=np.float32), alone(tiny, seq)[0],
+                                       rtol=0, atol=1e-5)
+
+    score_ok()
+    (worker,) = httpx.get(url + "/readyz", timeout=60).json()["models"]["policy"]
+    assert worker["node_id"] == worker_node.node_id != cluster.head_node.node_id
+
+    cluster.remove_node(worker_node)  # the GPU node goes away
+    wait_until(lambda: httpx.get(url + "/readyz", timeout=60).status_code == 503, what="/readyz to report it")
+    r = httpx.post(url + "/logprobs", json={"input_ids": [[1, 2, 3]]}, timeout=60)
+    assert r.status_code == 503 and "workers" in r.json()["detail"] and r.headers["Retry-After"]
+
+    new_node = cluster.add_node(num_cpus=2, resources={"logprob_gpu": 2})  # a GPU node comes back
+    wait_until(lambda: httpx.get(url + "/readyz", timeout=60).status_code == 200, what="recovery")
+    score_ok()
+    (worker,) = httpx.get(url + "/readyz", timeout=60).json()["models"]["policy"]
+    assert worker["node_id"] == new_node.node_id
