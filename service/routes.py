@@ -79,7 +79,12 @@ async def logprobs(body: LogProbsRequest, gw: GatewayDep) -> LogProbsResponse:
         vocab_size=model.vocab_size, max_tokens=settings.max_tokens_per_batch,
     )
     start = time.perf_counter()
-    scores = await model.batcher.submit(body.input_ids, starts, temps, body.return_entropy)
+    for _ in range(3):  # a reload landing mid-request can mix versions across workers: ask again
+        scores = await model.batcher.submit(body.input_ids, starts, temps, body.return_entropy)
+        if len({s.weights_version for s in scores}) == 1:
+            break
+    else:
+        raise HTTPException(503, "weights changed during the request three times; retry", {"Retry-After": "1"})
     gw.metrics.observe(name, tokens, time.perf_counter() - start)
     results = [
         SequenceResult(

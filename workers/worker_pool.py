@@ -80,7 +80,7 @@ def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_e
             log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
             submit(share, (w + 1) % len(workers), attempt + 1)
             continue
-        if any(s.weights_version != version for s in scores):
+        if any(s.weights_version < version for s in scores):  # (newer: an update landed mid-call; keep it)
             # a restarted actor reloads its initial weights: give it the current ones and redo its share
             if not weights:
                 raise RuntimeError(
