@@ -88,15 +88,29 @@ def pack_sequences(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return rows
 
 
+def bucket_length(tokens: int, limit: int) -> int:
+    """The least of 256 * 2^k and 384 * 2^k that holds `tokens` (at most 1.5x it), capped at `limit`."""
+    size = 256
+    while size < tokens:
+        size = size * 3 // 2 if (size & (size - 1)) == 0 else size * 4 // 3
+    return min(size, max(limit, tokens))
+
+
 class LogProbWorker:
     """Holds a patched causal LM (see `load_model`) and scores token sequences with it."""
 
-    def __init__(self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, **load_options) -> None:
+    def __init__(
+        self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, row_buckets: bool | None = None,
+        **load_options,
+    ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
         self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(model, device=self.device, **load_options)
         self.max_tokens_per_batch = max_tokens_per_batch
+        # On CUDA, packed rows run compiled flex_attention, compiled once per row length: rows are padded up
+        # to a few bucket lengths so that the kernels compile a handful of times, not once per request.
+        self.row_buckets = str(self.device).startswith("cuda") if row_buckets is None else row_buckets
         self.weights_version = 0
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
 
@@ -154,9 +168,12 @@ class LogProbWorker:
         return results  # type: ignore[return-value]
 
     def _score_row(self, row, seqs, starts, temps, return_entropy, results) -> None:
-        ids = torch.cat([seqs[i] for i in row])[None]  # [1, T]
-        positions = torch.cat([torch.arange(len(seqs[i])) for i in row])[None]
-        temperature = torch.cat([torch.full((len(seqs[i]),), temps[i]) for i in row])[None]
+        used = sum(len(seqs[i]) for i in row)
+        pad = bucket_length(used, self.max_tokens_per_batch) - used if self.row_buckets else 0
+        # padding is a trailing sequence of its own (positions from 0), unscored and unseen by the real tokens
+        ids = torch.cat([seqs[i] for i in row] + [torch.zeros(pad, dtype=torch.long)])[None]  # [1, T]
+        positions = torch.cat([torch.arange(len(seqs[i])) for i in row] + [torch.arange(pad)])[None]
+        temperature = torch.cat([torch.full((len(seqs[i]),), temps[i]) for i in row] + [torch.ones(pad)])[None]
         out = self._forward(ids.to(self.device), positions.to(self.device), temperature.to(self.device))
         log_probs = out.log_probs[0].cpu().numpy()
         entropy = out.entropy[0].cpu().numpy() if return_entropy else None

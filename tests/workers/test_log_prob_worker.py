@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
-from ppo_logprobs.workers.log_prob_worker import pack_sequences
+from ppo_logprobs.workers.log_prob_worker import bucket_length, pack_sequences
 
 from ..helpers import alone, random_sequences
 
@@ -30,6 +30,23 @@ def test_results_in_order_and_aligned(model):
         assert r.weights_version == 0
     assert worker.stats["rows"] > 1  # several packed rows were needed
     assert 0 < worker.stats["max_row_tokens"] <= 100
+
+
+def test_rows_padded_to_bucket_lengths_give_the_same_results(model):
+    """On CUDA rows are padded to a few lengths (compiled attention); the padding must change nothing."""
+    worker = LogProbWorker("tiny", max_tokens_per_batch=700, row_buckets=True, backend="torch")
+    seqs = random_sequences(15, seed=3, hi=90)
+    for seq, r in zip(seqs, worker.score(seqs, 2), strict=True):
+        lp, ent = alone(model, seq, 2)
+        np.testing.assert_allclose(r.log_probs, lp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5)
+    assert worker.stats["max_row_tokens"] in (256, 384, 512, 700)
+
+
+def test_bucket_lengths():
+    assert [bucket_length(t, 16384) for t in (1, 256, 257, 385, 600, 5000, 16000)] == [
+        256, 256, 384, 512, 768, 6144, 16384]
+    assert bucket_length(900, 1000) == 1000  # never past the worker's budget
 
 
 def test_score_from_at_the_end_gives_empty_results():
