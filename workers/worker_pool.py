@@ -179,7 +179,7 @@ class WorkerPool:
         starts, temps = validate_request(
             input_ids, score_from, temperature, vocab_size=self.vocab_size, max_tokens=self.max_tokens_per_batch
         )
-        return [list(map(int, s)) for s in input_ids], starts, temps
+        return list(input_ids), starts, temps  # checked above; each worker turns its share into tensors
 
     def compute_log_probs(
         self,
