@@ -1,7 +1,7 @@
 """Tokens/s through WorkerPool against calling the worker in-process, on the same mixed-length rollouts.
 
   python benchmarks/bench_pool.py --model DIR --workers 1     # overhead of the pool on one GPU
-  python benchmarks/bench_pool.py --model DIR --workers 2     # scaling, on a two-GPU machine
+  python benchmarks/bench_pool.py --model DIR --workers 1 2   # and scaling, on a two-GPU machine
   python benchmarks/bench_pool.py --save-random DIR           # writes a random Qwen2.5-7B-shaped model to DIR
   python benchmarks/bench_pool.py --tiny                      # CPU dry run
 """
@@ -48,7 +48,8 @@ def save_random(path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1])
+    parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--save-random")
     parser.add_argument("--max-tokens", type=int, default=16384)
@@ -59,11 +60,11 @@ def main() -> None:
         return
     tiny = args.tiny or args.model == "tiny"
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
-    seqs = rollouts(6, 16, 8, 40, 503) if tiny else rollouts(32, 512, 64, 4000, 152064)
+    seqs = rollouts(6, 16, 8, 40, 503) if tiny else rollouts(args.rollouts, 512, 64, 4000, 152064)
     tokens = sum(len(s) for s in seqs)
     starts = [16 if tiny else 512] * len(seqs)
     reps = 1 if tiny else 3
-    results = dict(date=time.strftime("%Y-%m-%d"), tokens=tokens, workers=args.workers, max_tokens=args.max_tokens)
+    results = dict(date=time.strftime("%Y-%m-%d"), sequences=len(seqs), tokens=tokens, max_tokens=args.max_tokens)
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
@@ -76,14 +77,17 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     ray.init(include_dashboard=False, log_to_driver=False)
-    pool = WorkerPool.create(args.model, args.workers, max_tokens_per_batch=args.max_tokens, **options)
-    s = median_seconds(lambda: pool.compute_log_probs(seqs, starts), reps)
-    results["pool_tokens_per_s"] = tokens / s
-    got = pool.compute_log_probs(seqs, starts)
-    diffs = [np.abs(a.log_probs - b.log_probs).max() for a, b in zip(got, reference, strict=True)]
-    results["max_diff_vs_direct"] = float(max(diffs))
-    results["pool_over_direct"] = results["pool_tokens_per_s"] / results["direct_tokens_per_s"]
-    pool.shutdown()
+    for n in args.workers:
+        pool = WorkerPool.create(args.model, n, max_tokens_per_batch=args.max_tokens, **options)
+        s = median_seconds(lambda: pool.compute_log_probs(seqs, starts), reps)  # noqa: B023
+        got = pool.compute_log_probs(seqs, starts)
+        pool.shutdown()
+        diff = max(float(np.abs(a.log_probs - b.log_probs).max()) for a, b in zip(got, reference, strict=True))
+        results[f"pool{n}"] = dict(tokens_per_s=tokens / s, over_direct=tokens / s / results["direct_tokens_per_s"],
+                                   max_diff_vs_direct=diff)
+    if len(args.workers) > 1:
+        lo, hi = min(args.workers), max(args.workers)
+        results["scaling"] = results[f"pool{hi}"]["tokens_per_s"] / results[f"pool{lo}"]["tokens_per_s"]
     print(json.dumps(results), flush=True)
     if args.out:
         with open(args.out, "w") as f:

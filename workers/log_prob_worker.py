@@ -151,25 +151,26 @@ class LogProbWorker:
         seqs = [torch.as_tensor(np.asarray(s), dtype=torch.long) for s in input_ids]
         lengths = [len(s) for s in seqs]
         results: list[SequenceScores | None] = [None] * len(seqs)
-        queue = pack_sequences(lengths, self.max_tokens_per_batch)
+        limit = self.max_tokens_per_batch
+        queue = [(row, limit) for row in pack_sequences(lengths, limit)]  # a row and the most it may be padded to
         while queue:
-            row = queue.pop()
+            row, limit = queue.pop()
+            sizes = [lengths[i] for i in row]
+            size = bucket_length(sum(sizes), limit) if self.row_buckets else sum(sizes)
             try:
-                self._score_row(row, seqs, starts, temps, return_entropy, results)
+                self._score_row(row, size, seqs, starts, temps, return_entropy, results)
             except torch.OutOfMemoryError:
-                if len(row) == 1:
+                if size == max(sizes):  # one sequence, unpadded: nothing left to split
                     raise
                 torch.cuda.empty_cache()
                 self.stats["oom_splits"] += 1
-                sizes = [lengths[i] for i in row]
-                half = max(max(sizes), sum(sizes) // 2)  # smaller than the row, since it holds two or more
-                log.warning("out of memory on a row of %d tokens; retrying in rows of at most %d", sum(sizes), half)
-                queue.extend([row[j] for j in part] for part in pack_sequences(sizes, half))
+                half = max(max(sizes), size // 2)  # less than size, so this ends
+                log.warning("out of memory on a row of %d tokens; retrying in rows of at most %d", size, half)
+                queue.extend(([row[j] for j in part], half) for part in pack_sequences(sizes, half))
         return results  # type: ignore[return-value]
 
-    def _score_row(self, row, seqs, starts, temps, return_entropy, results) -> None:
-        used = sum(len(seqs[i]) for i in row)
-        pad = bucket_length(used, self.max_tokens_per_batch) - used if self.row_buckets else 0
+    def _score_row(self, row, size, seqs, starts, temps, return_entropy, results) -> None:
+        pad = size - sum(len(seqs[i]) for i in row)
         # padding is a trailing sequence of its own (positions from 0), unscored and unseen by the real tokens
         ids = torch.cat([seqs[i] for i in row] + [torch.zeros(pad, dtype=torch.long)])[None]  # [1, T]
         positions = torch.cat([torch.arange(len(seqs[i])) for i in row] + [torch.arange(pad)])[None]

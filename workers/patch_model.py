@@ -92,6 +92,11 @@ def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, segments
     return labels.masked_fill(~keep, _IGNORE)
 
 
+# Shorter packed rows keep sdpa's dense mask (cheap there). Below 128 queries torch compiles flex_attention as
+# its decoding kernel, which has no valid configuration for some shapes (fp32, head_dim 16: seen on the H200).
+_FLEX_MIN_TOKENS = 1024
+
+
 def _forward_for_ppo(
     self: nn.Module,
     input_ids: Tensor,
@@ -121,7 +126,7 @@ def _forward_for_ppo(
                     "after the last real token; give each sequence its own positions from 0 instead"
                 )
         attention_mask = None
-        if input_ids.is_cuda and attn in ("sdpa", "eager"):
+        if input_ids.is_cuda and attn in ("sdpa", "eager") and input_ids.shape[1] >= _FLEX_MIN_TOKENS:
             # a dense [T, T] mask makes sdpa slower than padding; flex_attention skips the masked blocks
             self.config._attn_implementation = "flex_attention"
     try:

@@ -29,7 +29,7 @@ CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)  # placed by CPU on any host
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")

@@ -31,7 +31,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=6, num_gpus=0, include_dashboard=False, log_to_driver=False)  # placed by CPU on any host
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,

@@ -74,8 +74,9 @@ class OutOfMemoryAbove(LogProbWorker):
         return super()._forward(input_ids, position_ids, temperature)
 
 
-def test_out_of_memory_halves_the_row_and_retries(model):
-    worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, backend="torch")
+@pytest.mark.parametrize("row_buckets", [False, True])  # padded rows (CUDA's default) must shrink too
+def test_out_of_memory_halves_the_row_and_retries(model, row_buckets):
+    worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, row_buckets=row_buckets, backend="torch")
     seqs = random_sequences(12, seed=1, hi=30)
     results = worker.score(seqs)
     assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 40

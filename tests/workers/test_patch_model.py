@@ -173,14 +173,18 @@ def test_packed_row_with_padding_at_the_end():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_packed_rows_run_flex_attention_and_equal_alone():
+@pytest.mark.parametrize(("lengths", "attention"), [((130, 7, 64), "sdpa"), ((700, 7, 400), "flex_attention")])
+def test_cuda_packed_rows_run_flex_attention_when_long_and_equal_alone(lengths, attention):
     model = load_model("tiny", dtype=torch.float32, device="cuda")  # head_dim 16: flex_attention's least
     assert model.config._attn_implementation == "sdpa"
+    seen = []
+    model.base_model.register_forward_pre_hook(lambda *_: seen.append(model.config._attn_implementation))
     g = torch.Generator().manual_seed(5)
-    sequences = [torch.randint(3, 500, (n,), generator=g) for n in (130, 7, 64)]
+    sequences = [torch.randint(3, 500, (n,), generator=g) for n in lengths]
     ids, positions = pack(sequences)
     with torch.no_grad():
         packed = model(input_ids=ids.cuda(), position_ids=positions.cuda())
+        assert seen == [attention]  # short rows keep sdpa's dense mask
         assert model.config._attn_implementation == "sdpa"  # switched for the packed call only
         start = 0
         for seq in sequences:

@@ -18,7 +18,7 @@ from ..helpers import alone, random_sequences
 @pytest.fixture(scope="module")
 def cluster():
     # 3 logical CPUs on the 2 cores: the module's pool (2 workers) and a named pool of 1 live side by side
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)  # placed by CPU on any host
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
