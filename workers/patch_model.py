@@ -5,9 +5,9 @@ decoder body only and scores its last hidden states with the fused head against 
 log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1]), and entropy[b, t] that distribution's
 entropy; both [B, T], fp32, and 0 where there is no next token (the last position, padding on either side).
 Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
-takes its label from, another sequence. On CUDA, packed calls run flex_attention (it skips masked blocks)
-whatever the model was loaded with; unpacked calls keep the model's own attention. No [B, T, V] logits are made.
-Only the instance is patched (`types.MethodType`); its class is untouched.
+takes its label from, another sequence. On CUDA, packed rows of 1024 tokens or more run flex_attention (it skips
+masked blocks) whatever the model was loaded with; other calls keep the model's own attention. No [B, T, V]
+logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
 """
 
 from __future__ import annotations
