@@ -1,9 +1,15 @@
-"""Shared test helpers: random token sequences, the in-process model's own answer, a free loopback port."""
+"""Shared test helpers: random token sequences, the in-process model's own answer, a free loopback port, a
+local Ray with the gateway served."""
 
+import contextlib
 import socket
 
 import numpy as np
+import ray
 import torch
+from ray import serve
+
+from ppo_logprobs.service import build_app
 
 TINY_VOCAB = 503  # the built-in "tiny" model
 
@@ -25,3 +31,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(num_cpus, apps):
+    """A local Ray of num_cpus CPUs and no GPUs (workers placed by CPU on any host) with Serve on a free loopback
+    port, running each app {name: Settings}, the first at "/" and the others at "/<name>"; yields the base URL."""
+    ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for i, (name, settings) in enumerate(apps.items()):
+            serve.run(build_app(settings), name=name, route_prefix="/" if i == 0 else f"/{name}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -13,15 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import numpy as np
 import pytest
-import ray
-from ray import serve
 
 from ppo_logprobs.client import AsyncLogProbClient, LogProbClient, LogProbError, connect_pool
 from ppo_logprobs.client.log_prob_client import _chunks
-from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, free_port, random_sequences
+from ..helpers import alone, random_sequences, serving
 
 CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
@@ -29,16 +27,10 @@ CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
 @pytest.fixture(scope="module")
 def url():
-    ray.init(num_cpus=3, num_gpus=0, include_dashboard=False, log_to_driver=False)  # placed by CPU on any host
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
-    serve.run(build_app(settings), name="client", route_prefix="/")
     guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y")
-    serve.run(build_app(guarded), name="guarded", route_prefix="/guarded")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(3, {"client": settings, "guarded": guarded}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-import ray
 import torch
 from ray import serve
 
-from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, free_port, random_sequences
+from ..helpers import alone, random_sequences, serving
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +30,11 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    ray.init(num_cpus=6, num_gpus=0, include_dashboard=False, log_to_driver=False)  # placed by CPU on any host
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
                     max_tokens_per_batch=512)
-    serve.run(build_app(main), name="main", route_prefix="/")
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret")
-    serve.run(build_app(small), name="small", route_prefix="/small")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with serving(6, {"main": main, "small": small}) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
