@@ -1,13 +1,16 @@
 """HTTP clients of the gateway (sync and async), and connect_pool for trainers on the same Ray cluster.
 
-Both clients split a batch under the server's per-request token limit and join the results in order, retry
-429 and 503 answers after their Retry-After (with backoff when there is none), and raise LogProbError with
-the server's message for anything else.
+Both clients split a batch under the server's per-request token limit and join the results in order. Scoring
+and reads are retried on transport errors (a dropped connection, a timeout) and on 429 and 503 answers, after
+their Retry-After or an exponential backoff, with random jitter so that many clients do not retry in step; a
+reload (not idempotent), a 4xx and a 500 are never retried. Anything that is not retried raises LogProbError
+with the server's message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ RETRY_STATUSES = (429, 503)
 
 
 class LogProbError(RuntimeError):
-    """The server refused or failed a request; `status` and `detail` are what it said."""
+    """The server refused or failed a request; `status` and `detail` are what it said (status 0: no answer)."""
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(f"HTTP {status}: {detail}")
@@ -84,11 +87,20 @@ def _results(responses: list[dict]) -> list[SequenceLogProbs]:
     return out
 
 
-def _wait_s(response: httpx.Response, attempt: int, backoff: float) -> float:
+def _settle(outcome: httpx.Response | httpx.TransportError, attempt: int, retry: bool, limit: int,
+            backoff: float) -> tuple[dict | None, float]:
+    """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the call
+    is to be retried: Retry-After when the server gave one, else backoff * 2^attempt, plus up to 25% jitter."""
+    transient = isinstance(outcome, httpx.TransportError) or outcome.status_code in RETRY_STATUSES
+    if not (retry and transient and attempt < limit):
+        if isinstance(outcome, httpx.TransportError):
+            raise LogProbError(0, f"no answer from the server ({type(outcome).__name__}: {outcome})") from outcome
+        return _raise_for(outcome), 0.0
     try:
-        return max(0.0, float(response.headers["Retry-After"]))
-    except (KeyError, ValueError):
-        return backoff * 2**attempt
+        wait = max(0.0, float(outcome.headers["Retry-After"]))  # type: ignore[union-attr]
+    except (AttributeError, KeyError, ValueError):
+        wait = backoff * 2**attempt
+    return None, wait * (1 + 0.25 * random.random())
 
 
 def _raise_for(response: httpx.Response) -> dict:
@@ -122,15 +134,19 @@ class LogProbClient(_Base):
                  max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None) -> None:
         super().__init__(base_url, api_key, timeout, max_retries, backoff, max_request_tokens)
         self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
-        self.retries = 0  # answers retried so far (429/503)
+        self.retries = 0  # calls retried so far (transport errors, 429, 503)
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
         for attempt in range(self.max_retries + 1):
-            response = self._http.request(method, path, json=body)
-            if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                return _raise_for(response)
+            try:
+                outcome: httpx.Response | httpx.TransportError = self._http.request(method, path, json=body)
+            except httpx.TransportError as e:
+                outcome = e
+            answer, wait = _settle(outcome, attempt, retry, self.max_retries, self.backoff)
+            if answer is not None:
+                return answer
             self.retries += 1
-            time.sleep(_wait_s(response, attempt, self.backoff))
+            time.sleep(wait)
         raise AssertionError("unreachable")
 
     def models(self) -> list[ModelInfo]:
@@ -147,7 +163,7 @@ class LogProbClient(_Base):
 
     def reload(self, model: str, path: str) -> ModelInfo:
         """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info."""
-        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", {"path": path}))
+        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", {"path": path}, retry=False))
 
     def ready(self) -> bool:
         """Models loaded and every worker up (GET /readyz)."""
@@ -180,13 +196,17 @@ class AsyncLogProbClient(_Base):
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
         self.retries = 0
 
-    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    async def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
         for attempt in range(self.max_retries + 1):
-            response = await self._http.request(method, path, json=body)
-            if response.status_code not in RETRY_STATUSES or attempt == self.max_retries:
-                return _raise_for(response)
+            try:
+                outcome: httpx.Response | httpx.TransportError = await self._http.request(method, path, json=body)
+            except httpx.TransportError as e:
+                outcome = e
+            answer, wait = _settle(outcome, attempt, retry, self.max_retries, self.backoff)
+            if answer is not None:
+                return answer
             self.retries += 1
-            await asyncio.sleep(_wait_s(response, attempt, self.backoff))
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
     async def models(self) -> list[ModelInfo]:
@@ -201,7 +221,7 @@ class AsyncLogProbClient(_Base):
         return _results(list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies))))
 
     async def reload(self, model: str, path: str) -> ModelInfo:
-        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", {"path": path})))
+        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", {"path": path}, retry=False)))
 
     async def ready(self) -> bool:
         return (await self._http.get("/readyz")).status_code == 200

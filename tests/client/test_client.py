@@ -92,30 +92,36 @@ def test_errors_carry_the_server_message(url):
             client.score([[1, 2]], model="critic")
 
 
-class _BusyFirst(BaseHTTPRequestHandler):
-    """Answers the first POST with 429 (Retry-After: 1), then forwards to the real service."""
+class _Scripted(BaseHTTPRequestHandler):
+    """An HTTP/1.1 proxy in front of the real service: the first POSTs get the answers in `script` (a status code,
+    or "drop": the connection is closed without an answer), later ones are forwarded."""
 
-    target = ""
+    protocol_version = "HTTP/1.1"
+    target: httpx.Client
+    script: list = []
     posts: list = []
 
     def do_GET(self):
-        self._forward(httpx.get(self.target + self.path))
+        self._answer(self.target.get(self.path))
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).posts.append(time.monotonic())
-        if len(self.posts) == 1:
-            self.send_response(429)
-            self.send_header("Retry-After", "1")
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"detail": "overloaded: retry after 1 s"}')
+        if len(self.posts) <= len(self.script):
+            step = self.script[len(self.posts) - 1]
+            if step == "drop":
+                self.close_connection = True
+                return
+            self._answer(httpx.Response(step, json={"detail": f"scripted {step}"}, headers={"Retry-After": "1"}))
             return
-        self._forward(httpx.post(self.target + self.path, content=body, headers={"Content-Type": "application/json"}))
+        self._answer(self.target.post(self.path, content=body, headers={"Content-Type": "application/json"}))
 
-    def _forward(self, response):
+    def _answer(self, response):
         self.send_response(response.status_code)
-        self.send_header("Content-Type", "application/json")
+        for name in ("Content-Type", "Retry-After"):
+            if name in response.headers:
+                self.send_header(name, response.headers[name])
+        self.send_header("Content-Length", str(len(response.content)))
         self.end_headers()
         self.wfile.write(response.content)
 
@@ -123,19 +129,69 @@ class _BusyFirst(BaseHTTPRequestHandler):
         pass
 
 
-def test_retries_429_after_retry_after(url, tiny):
-    _BusyFirst.target, _BusyFirst.posts = url, []
-    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _BusyFirst)
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
-    try:
-        seqs = random_sequences(4, seed=32)
-        with LogProbClient(f"http://127.0.0.1:{proxy.server_port}") as client:
-            results = client.score(seqs)
-            assert client.retries == 1
-        assert_equal_to_model(results, seqs, tiny)
-        assert len(_BusyFirst.posts) == 2 and _BusyFirst.posts[1] - _BusyFirst.posts[0] >= 0.9  # waited Retry-After
-    finally:
-        proxy.shutdown()
+@pytest.fixture
+def proxy(url):
+    """Yields a function that starts the scripted proxy with a script and returns its URL."""
+    servers = []
+
+    def start(script):
+        _Scripted.target = httpx.Client(base_url=url, timeout=120)
+        _Scripted.script, _Scripted.posts = script, []
+        server = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+    _Scripted.target.close()
+
+
+def test_retries_429_after_retry_after(proxy, tiny):
+    seqs = random_sequences(4, seed=32)
+    with LogProbClient(proxy([429])) as client:
+        results = client.score(seqs)
+        assert client.retries == 1
+    assert_equal_to_model(results, seqs, tiny)
+    posts = _Scripted.posts
+    assert len(posts) == 2 and posts[1] - posts[0] >= 0.9  # waited Retry-After
+
+
+def test_retries_a_dropped_connection(proxy, tiny):
+    seqs = random_sequences(4, seed=36)
+    with LogProbClient(proxy(["drop", "drop"]), backoff=0.01) as client:
+        results = client.score(seqs)
+        assert client.retries == 2
+    assert_equal_to_model(results, seqs, tiny)
+    assert len(_Scripted.posts) == 3
+
+    async def run():
+        async with AsyncLogProbClient(proxy(["drop", 503]), backoff=0.01) as client:
+            return await client.score(seqs), client.retries
+
+    results, retries = asyncio.run(run())
+    assert retries == 2 and len(_Scripted.posts) == 3
+    assert_equal_to_model(results, seqs, tiny)
+
+
+@pytest.mark.parametrize("script, status", [(["drop"], 0), ([503], 503), ([429], 429)])
+def test_reload_is_never_retried(proxy, script, status):
+    with LogProbClient(proxy(script), backoff=0.01) as client:
+        with pytest.raises(LogProbError) as raised:
+            client.reload("policy", "/no/such/checkpoint")
+        assert raised.value.status == status and client.retries == 0
+    assert len(_Scripted.posts) == 1
+
+
+@pytest.mark.parametrize("status", [400, 422, 500])
+def test_errors_that_are_not_transient_are_not_retried(proxy, status):
+    with LogProbClient(proxy([status]), backoff=0.01) as client:
+        with pytest.raises(LogProbError, match=f"HTTP {status}: scripted {status}"):
+            client.score([[1, 2, 3]])
+        assert client.retries == 0
+    assert len(_Scripted.posts) == 1
 
 
 def test_connect_pool_gives_the_services_workers(url, tiny):
