@@ -22,8 +22,8 @@ import torch
 from triton.testing import do_bench
 
 from ppo_logprobs.workers import fused_log_probs
-from ppo_logprobs.workers.triton_log_probs_backward import triton_log_probs_backward
-from ppo_logprobs.workers.triton_log_probs_forward import tile_config, triton_log_probs_forward
+from ppo_logprobs.workers.head.triton_log_probs_backward import triton_log_probs_backward
+from ppo_logprobs.workers.head.triton_log_probs_forward import tile_config, triton_log_probs_forward
 
 SHAPES = [(4096, 4096, 128256), (8192, 4096, 151936), (32768, 4096, 151936)]
 SAMPLE_ROWS = 256

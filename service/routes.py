@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 
-from ppo_logprobs.workers.log_prob_worker import validate_request
+from ppo_logprobs.workers.pool.log_prob_worker import validate_request
 
 from .batcher import Overloaded
 from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest, SequenceResult, Usage

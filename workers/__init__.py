@@ -1,9 +1,8 @@
 """GPU-side pieces: the fused log-prob head, patched HuggingFace models, and the Ray workers that hold them."""
 
-from .fused_log_probs import FusedLinearForPPO, HeadOptions, fused_log_probs, resolve_backend
-from .load_model import load_model
-from .log_prob_worker import LogProbWorker, SequenceScores
-from .patch_model import CausalLMOutputForPPO, patch_model
+from .head import FusedLinearForPPO, HeadOptions, fused_log_probs, resolve_backend
+from .models import CausalLMOutputForPPO, load_model, patch_model
+from .pool import LogProbWorker, SequenceScores
 
 __all__ = [
     "CausalLMOutputForPPO",
@@ -22,7 +21,7 @@ __all__ = [
 def __getattr__(name: str):
     # WorkerPool needs Ray; importing it lazily keeps the head and the model patch usable without Ray
     if name == "WorkerPool":
-        from .worker_pool import WorkerPool
+        from .pool.worker_pool import WorkerPool
 
         return WorkerPool
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .load_model import load_model
+from ..models import load_model
 
 log = logging.getLogger(__name__)
 

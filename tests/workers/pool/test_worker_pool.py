@@ -12,7 +12,7 @@ import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
 
-from ..helpers import alone, random_sequences
+from ...helpers import alone, random_sequences
 
 
 @pytest.fixture(scope="module")

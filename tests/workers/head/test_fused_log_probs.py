@@ -93,8 +93,8 @@ def test_gradients_match_float64(backend, dtype, which):
 
 def test_triton_backward_vocabulary_chunks_agree():
     """The Triton backward writes d_logits one vocabulary chunk at a time; the chunking must not matter."""
-    from ppo_logprobs.workers.triton_log_probs_backward import triton_log_probs_backward
-    from ppo_logprobs.workers.triton_log_probs_forward import triton_log_probs_forward
+    from ppo_logprobs.workers.head.triton_log_probs_backward import triton_log_probs_backward
+    from ppo_logprobs.workers.head.triton_log_probs_forward import triton_log_probs_forward
 
     hidden, weight, labels = make_inputs(50, 32, 203, torch.float32, seed=14)
     inv_t = torch.full((50,), 0.8, device=DEVICE)
@@ -113,7 +113,7 @@ def test_triton_copy_engine_and_pointer_reads_agree(dtype):
     """Tiles read through tensor descriptors (where H allows) and through pointers give the same numbers."""
     from dataclasses import replace
 
-    from ppo_logprobs.workers.triton_log_probs_forward import tile_config, tile_operands, triton_log_probs_forward
+    from ppo_logprobs.workers.head.triton_log_probs_forward import tile_config, tile_operands, triton_log_probs_forward
 
     hidden, weight, labels = make_inputs(40, 40, 203, dtype, seed=15)
     inv_t = torch.ones(40, device=DEVICE)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from .fused_log_probs import Backend
+from ..head import Backend
 from .patch_model import patch_model
 
 # A real Qwen2 architecture, small enough for CPU tests and demos; its weights are random with a fixed seed.

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
-from ppo_logprobs.workers.log_prob_worker import bucket_length, pack_sequences
+from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_sequences
 
-from ..helpers import alone, random_sequences
+from ...helpers import alone, random_sequences
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .fused_log_probs import Backend, fused_log_probs
+from ..head import Backend, fused_log_probs
 
 _IGNORE = -100
 
