@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ..head import Backend
 from .patch_model import patch_model
@@ -32,12 +32,22 @@ def load_model(
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
     backend: Backend = "auto",
+    config: dict | None = None,
 ) -> nn.Module:
     """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
 
-    Nothing is fetched from a hub: a name that is not a local directory fails.
+    Nothing is fetched from a hub: a name that is not a local directory fails. With `config` (a config's
+    `to_dict()`), name_or_path is not read: the model of that config is built on `device` with weights left as
+    initialised, for a weight update to fill.
     """
-    if name_or_path == "tiny":
+    if config is not None:
+        config = dict(config)
+        built = AutoConfig.for_model(config.pop("model_type"), **config)
+        if attn_implementation is not None:
+            built._attn_implementation = attn_implementation
+        with torch.device(device or "cpu"):
+            model = AutoModelForCausalLM.from_config(built, dtype=dtype or config.get("dtype") or torch.float32)
+    elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(

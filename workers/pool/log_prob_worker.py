@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import WeightsUnavailable
 from ..models import load_model
+from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
 
@@ -96,22 +98,35 @@ def bucket_length(tokens: int, limit: int) -> int:
     return min(size, max(limit, tokens))
 
 
-class LogProbWorker:
-    """Holds a patched causal LM (see `load_model`) and scores token sequences with it."""
+class LogProbWorker(WeightsHolder):
+    """Holds a patched causal LM (see `load_model`) and scores token sequences with it.
+
+    `restore`: where to take the weights instead of `model`, for an actor that Ray restarted (see WeightOwner):
+    {"path": checkpoint, "version": v} loads that checkpoint; {"config": dict, "version": v} builds the model
+    without weights (weights_version None) until its owner streams them from a live peer.
+    """
 
     def __init__(
         self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, row_buckets: bool | None = None,
-        **load_options,
+        restore: dict | None = None, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
         self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model, device=self.device, **load_options)
+        self.weights_version: int | None = 0
+        if restore is None:
+            self.model = load_model(model, device=self.device, **load_options)
+        elif "path" in restore:
+            self.model = load_model(restore["path"], device=self.device, **load_options)
+            self.weights_version = restore["version"]
+        else:
+            self.model = load_model(model, device=self.device, config=restore["config"], **load_options)
+            self.weights_version = None
+        self._init_weights()
         self.max_tokens_per_batch = max_tokens_per_batch
         # On CUDA, packed rows run compiled flex_attention, compiled once per row length: rows are padded up
         # to a few bucket lengths so that the kernels compile a handful of times, not once per request.
         self.row_buckets = str(self.device).startswith("cuda") if row_buckets is None else row_buckets
-        self.weights_version = 0
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
 
     def info(self) -> dict:
@@ -135,6 +150,9 @@ class LogProbWorker:
 
     health = info
 
+    def config(self) -> dict:
+        return self.model.config.to_dict()
+
     @torch.no_grad()
     def score(
         self,
@@ -144,6 +162,8 @@ class LogProbWorker:
         return_entropy: bool = True,
     ) -> list[SequenceScores]:
         """Scores every sequence; results in the order given."""
+        if self.weights_version is None:
+            raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
         starts, temps = validate_request(
             input_ids, score_from, temperature,
             vocab_size=self.model.config.vocab_size, max_tokens=self.max_tokens_per_batch,
@@ -193,15 +213,3 @@ class LogProbWorker:
 
     def _forward(self, input_ids, position_ids, temperature):
         return self.model(input_ids=input_ids, position_ids=position_ids, temperature=temperature)
-
-    def update_weights(self, weights: dict | str, version: int) -> int:
-        """Loads new weights and records their version: a full state dict (names and shapes must match), or
-        the path of a checkpoint directory of the same architecture, read by this worker."""
-        if isinstance(weights, str):
-            from transformers import AutoModelForCausalLM
-
-            dtype = next(self.model.parameters()).dtype
-            weights = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, local_files_only=True).state_dict()
-        self.model.load_state_dict(weights, strict=True)
-        self.weights_version = version
-        return version

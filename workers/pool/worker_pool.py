@@ -1,21 +1,29 @@
 """WorkerPool: LogProbWorker Ray actors, one per GPU, behind one trainer-facing API.
 
 Work is split across the actors balanced by tokens, results come back in request order, each carrying the
-weights_version it was computed with. An actor that dies is restarted by Ray and its share of the call is sent
-again (to it, or to another actor); an actor that comes back with stale weights gets the current ones first.
+weights_version it was computed with, and never results of two versions in one call. Weights change only through
+the pool's WeightOwner (see owner.py), shared by every handle of the pool. An actor that dies is restarted by Ray
+and its share of the call is sent again (to it, or to another actor); a restarted actor gets the current weights
+back before it scores.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 
 import ray
+import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..errors import WeightsUnavailable
 from .log_prob_worker import LogProbWorker, SequenceScores, validate_request
+from .owner import WeightOwner, cause
+from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +31,34 @@ NAMESPACE = "ppo_logprobs"
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
 
 
+class WeightsChanged(RuntimeError):
+    """The weights changed under a call more often than it re-asked; transient."""
+
+
 def _actor_name(pool: str, index: int) -> str:
     return f"{pool}:worker:{index}"
 
 
 class _PooledWorker(LogProbWorker):
-    """The actor class: a LogProbWorker that also keeps its pool's placement group, so a pool attached by name
-    (from a job whose namespace cannot see the group's name) can still free it."""
+    """The actor class: a LogProbWorker that also keeps its pool's placement group (so a pool attached by name,
+    from a job whose namespace cannot see the group's name, can still free it), and that, when Ray restarts it,
+    takes its weights from where its pool's owner says they are now."""
 
-    def __init__(self, *args, placement=None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, placement=None, owner=None, **kwargs) -> None:
+        restore = None
+        if owner is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+            restore = ray.get(owner.restore_spec.remote())
+            if restore["path"] is not None and restore["path"] != "tiny":
+                try:
+                    super().__init__(*args, restore=restore, **kwargs)
+                    self.placement = placement
+                    return
+                except OSError:  # the checkpoint was deleted since: the owner streams the weights from a peer
+                    log.warning("checkpoint %s is gone; waiting for the weights from a peer", restore["path"])
+            restore = {k: v for k, v in restore.items() if k != "path"}
+            if restore["version"] == 0:
+                restore = None  # the initial weights: built as at the start
+        super().__init__(*args, restore=restore, **kwargs)
         self.placement = placement
 
     def placement_group(self):
@@ -51,12 +77,10 @@ def balance_by_tokens(lengths: Sequence[int], num_shares: int) -> list[list[int]
     return shares
 
 
-def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
-    """Dispatches shares to the actors and gathers them in order; redispatches what a dead actor held.
-
-    weights: [the current weights: an ObjectRef to a state dict, or a checkpoint path] or [] (a list, so that
-    Ray does not fetch the weights into this function when it runs as a task).
-    """
+def _score_on_pool(owner, workers, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
+    """Dispatches shares to the actors and gathers them in order, all of one weights version: a dead actor's share
+    goes to the next, a restarted actor without weights is restored by the owner first, and shares answered with an
+    older version than the newest seen (an update landing mid-call) are asked again."""
     results: list[SequenceScores | None] = [None] * len(input_ids)
     pending = {}
 
@@ -66,9 +90,11 @@ def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_e
         )
         pending[ref] = (share, worker, attempt)
 
-    for w, share in enumerate(balance_by_tokens([len(s) for s in input_ids], len(workers))):
+    shares = [s for s in balance_by_tokens([len(s) for s in input_ids], len(workers))]
+    for w, share in enumerate(shares):
         if share:
             submit(share, w, 1)
+    done: list[tuple[list[int], int, int, int]] = []  # (share, worker, attempt, version)
     while pending:
         (ref,), _ = ray.wait(list(pending), num_returns=1)
         share, w, attempt = pending.pop(ref)
@@ -80,34 +106,42 @@ def _score_on_pool(workers, version, weights, input_ids, starts, temps, return_e
             log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
             submit(share, (w + 1) % len(workers), attempt + 1)
             continue
-        if any(s.weights_version < version for s in scores):  # (newer: an update landed mid-call; keep it)
-            # a restarted actor reloads its initial weights: give it the current ones and redo its share
-            if not weights:
-                raise RuntimeError(
-                    f"worker {w} answered with weights_version {scores[0].weights_version}, expected {version}, "
-                    "and this pool holds no copy of those weights to restore (call update_weights again)"
-                )
+        except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
             if attempt >= _ATTEMPTS:
-                raise RuntimeError(f"worker {w} still answers with stale weights after {attempt} attempts")
-            ray.get(workers[w].update_weights.remote(weights[0], version))
+                raise
+            try:
+                ray.get(owner.restore.remote(w))
+            except Exception as e:
+                raise cause(e) from None
             submit(share, w, attempt + 1)
             continue
         for i, s in zip(share, scores, strict=True):
             results[i] = s
+        done.append((share, w, attempt, scores[0].weights_version if scores else -1))
+        if not pending:
+            newest = max(v for *_, v in done)
+            stale = [d for d in done if d[3] not in (newest, -1)]
+            if stale and max(d[2] for d in stale) >= _ATTEMPTS:
+                raise WeightsChanged(f"the weights changed during the call {_ATTEMPTS} times; retry")
+            done = [d for d in done if d not in stale]
+            for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
+                time.sleep(0.01 * attempt)
+                submit(share, w, attempt + 1)
     return results  # type: ignore[return-value]
 
 
 class WorkerPool:
-    """Ray actors holding one patched model each. Build with `create`, or attach to a named pool with `connect`."""
+    """Ray actors holding one patched model each, and the owner of their weights. Build with `create`, or attach to
+    a named pool with `connect`; every handle of one pool shares its owner, so versions agree between them."""
 
-    def __init__(self, workers: list, info: dict, *, name: str | None = None, placement=None) -> None:
+    def __init__(self, owner, workers: list, info: dict, *, name: str | None = None, placement=None) -> None:
+        self.owner = owner
         self.workers = workers
         self.name = name
         self.vocab_size = info["vocab_size"]
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
-        self.weights_version = info["weights_version"]
+        self.device = info["device"]
         self._placement = placement
-        self._weights: list = []  # [the last weights sent: ObjectRef or path], to restore restarted actors
 
     @classmethod
     def create(
@@ -123,15 +157,16 @@ class WorkerPool:
         resources: dict[str, float] | None = None,
         **load_options,
     ) -> WorkerPool:
-        """Starts num_workers actors in one placement group. num_gpus_per_worker defaults to 1 when the cluster
-        has GPUs and 0 (CPU actors) when it has none; `resources` adds custom Ray resources per worker (to pin the
-        workers to node types that have them). With a name, actors and placement group are named and
-        detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`."""
+        """Starts num_workers actors in one placement group, and their WeightOwner. num_gpus_per_worker defaults to
+        1 when the cluster has GPUs and 0 (CPU actors) when it has none; `resources` adds custom Ray resources per
+        worker (to pin the workers to node types that have them). With a name, actors and placement group are named
+        and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
+        detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
         placement = placement_group([bundle] * num_workers, strategy="PACK", lifetime="detached" if name else None)
         try:
             ray.get(placement.ready(), timeout=ready_timeout_s)
@@ -141,10 +176,13 @@ class WorkerPool:
                 f"could not place {num_workers} workers of {bundle} within {ready_timeout_s:.0f} s; "
                 f"the cluster has {ray.available_resources()} free"
             ) from None
+        key = f"weights:{name or uuid.uuid4().hex}"
+        owner = ray.remote(WeightOwner).options(
+            num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
+        ).remote(key, model)
         actor = ray.remote(_PooledWorker)
         workers = []
         for i in range(num_workers):
-            named = dict(name=_actor_name(name, i), namespace=NAMESPACE, lifetime="detached") if name else {}
             workers.append(
                 actor.options(
                     num_cpus=1,
@@ -153,27 +191,29 @@ class WorkerPool:
                     max_restarts=max_restarts,
                     max_task_retries=max_restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i),
-                    **named,
-                ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, **load_options)
+                    **(dict(name=_actor_name(name, i), **detached) if name else {}),
+                ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner,
+                         **load_options)
             )
         infos = ray.get([w.info.remote() for w in workers])
-        return cls(workers, infos[0], name=name, placement=placement)
+        ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote())))
+        return cls(owner, workers, infos[0], name=name, placement=placement)
 
     @classmethod
     def connect(cls, name: str) -> WorkerPool:
-        """Attaches to the actors of a pool created with this name (by any job on the same Ray cluster)."""
-        workers = []
-        while True:
-            try:
-                workers.append(ray.get_actor(_actor_name(name, len(workers)), namespace=NAMESPACE))
-            except ValueError:
-                break
-        if not workers:
-            raise ValueError(f"no worker pool named {name!r} in namespace {NAMESPACE!r}")
-        infos = ray.get([w.info.remote() for w in workers])
-        pool = cls(workers, infos[0], name=name, placement=ray.get(workers[0].placement_group.remote()))
-        pool.weights_version = max(i["weights_version"] for i in infos)
-        return pool
+        """Attaches to a pool created with this name (by any job on the same Ray cluster)."""
+        try:
+            owner = ray.get_actor(f"{name}:owner", namespace=NAMESPACE)
+        except ValueError:
+            raise ValueError(f"no worker pool named {name!r} in namespace {NAMESPACE!r}") from None
+        workers = ray.get(owner.state.remote())["workers"]
+        info = ray.get(workers[0].info.remote())
+        return cls(owner, workers, info, name=name, placement=ray.get(workers[0].placement_group.remote()))
+
+    @property
+    def weights_version(self) -> int:
+        """The version every worker serves once the last update has landed (asked of the owner)."""
+        return ray.get(self.owner.state.remote())["version"]
 
     def _request(self, input_ids, score_from, temperature):
         starts, temps = validate_request(
@@ -188,10 +228,10 @@ class WorkerPool:
         temperature: float | Sequence[float] = 1.0,
         return_entropy: bool = True,
     ) -> list[SequenceScores]:
-        """One SequenceScores per sequence, in order: entry k of log_probs is log p(seq[s + k] | seq[:s + k])
-        for s = score_from (one int, or one per sequence; the prompt length for PPO)."""
+        """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
+        log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length)."""
         ids, starts, temps = self._request(input_ids, score_from, temperature)
-        return _score_on_pool(self.workers, self.weights_version, self._weights, ids, starts, temps, return_entropy)
+        return _score_on_pool(self.owner, self.workers, ids, starts, temps, return_entropy)
 
     def compute_log_probs_async(
         self,
@@ -203,18 +243,34 @@ class WorkerPool:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
         ids, starts, temps = self._request(input_ids, score_from, temperature)
         task = ray.remote(num_cpus=0)(_score_on_pool)
-        return task.remote(self.workers, self.weights_version, self._weights, ids, starts, temps, return_entropy)
+        return task.remote(self.owner, self.workers, ids, starts, temps, return_entropy)
 
-    def update_weights(self, state_dict_or_ref) -> int:
-        """Loads new weights into every actor and returns the new version: a state dict, an ObjectRef to one, or
-        the path of a checkpoint directory that every actor can read."""
-        ref = state_dict_or_ref
-        if not isinstance(ref, (ray.ObjectRef, str)):
-            ref = ray.put(ref)
-        version = self.weights_version + 1
-        ray.get([w.update_weights.remote(ref, version) for w in self.workers])
-        self._weights, self.weights_version = [ref], version
-        return version
+    def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef) -> int:
+        """New weights on every worker, or on none (then the error says why); returns the new version.
+
+        `weights`: the path of a checkpoint directory every worker can read (each reads its shards straight into
+        device memory), or a dict of tensors, full or partial (only the parameters it names change), streamed from
+        this process over NCCL (CUDA tensors, CUDA workers) or gloo; an ObjectRef to such a dict is fetched here
+        first. For repeated updates from a trainer, keep one `weight_sender()` open instead."""
+        if isinstance(weights, ray.ObjectRef):
+            weights = ray.get(weights)
+        if isinstance(weights, str):
+            try:
+                return ray.get(self.owner.update_from_path.remote(weights))
+            except Exception as e:
+                raise cause(e) from None
+        with self.weight_sender(device=_device_of(weights.values())) as sender:
+            return sender.send(weights)
+
+    def weight_sender(self, *, device: str | torch.device | None = None, bucket_bytes: int | None = None,
+                      timeout_s: float = 300.0) -> WeightSender:
+        """Opens a process group between this process (the sender) and every worker; `send(named_tensors)` then
+        streams an update through it. NCCL when this process has CUDA (`device`, default the current one) and the
+        workers are on CUDA, gloo otherwise. Close it (or use `with`) when done."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return WeightSender(self.owner, len(self.workers), torch.device(device), self.device.startswith("cuda"),
+                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
     def health(self, timeout: float = 30.0) -> list[dict]:
         """Each actor's info (device, weights_version, pid, row stats), or alive=False with the error."""
@@ -227,9 +283,17 @@ class WorkerPool:
         return out
 
     def shutdown(self) -> None:
-        """Kills the actors (no restart) and frees their placement group."""
+        """Kills the actors and the owner (no restart) and frees their placement group."""
         for w in self.workers:
             ray.kill(w, no_restart=True)
+        try:
+            ray.get(self.owner.forget.remote(), timeout=30)
+        finally:
+            ray.kill(self.owner, no_restart=True)
         if self._placement is not None:
             remove_placement_group(self._placement)
         self.workers = []
+
+
+def _device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
+    return next(iter(tensors), torch.empty(0)).device

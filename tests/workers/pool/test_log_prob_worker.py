@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
+from ppo_logprobs.workers.errors import IncompatibleWeights
 from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_sequences
 
 from ...helpers import alone, random_sequences
@@ -99,8 +100,21 @@ def test_update_weights_changes_results_and_version():
     for seq, b, a in zip(seqs, before, after, strict=True):
         assert a.weights_version == 7 and not np.allclose(a.log_probs, b.log_probs)
         np.testing.assert_allclose(a.log_probs, alone(other, seq)[0], rtol=0, atol=1e-5)
-    with pytest.raises(RuntimeError, match="size mismatch|Missing key"):
+    with pytest.raises(IncompatibleWeights, match=r"'lm_head.weight' has shape \[3, 3\] in the update and \[503, 64\]"):
         worker.update_weights({"lm_head.weight": torch.zeros(3, 3)}, 8)
+    with pytest.raises(IncompatibleWeights, match=r"tensors the model does not, e.g. 'model.layers.2.mlp.w'"):
+        worker.update_weights({"model.layers.2.mlp.w": torch.zeros(3)}, 8)
+    refused = worker.score(seqs)  # nothing changed
+    for a, r in zip(after, refused, strict=True):
+        assert r.weights_version == 7 and np.array_equal(a.log_probs, r.log_probs)
+
+
+def test_a_partial_update_changes_only_the_parameters_it_names(model):
+    worker = LogProbWorker("tiny", backend="torch")
+    head = torch.randn(503, 64) * 0.1
+    assert worker.update_weights({"lm_head.weight": head}, 3) == 3
+    for name, p in worker.model.named_parameters():
+        assert torch.equal(p, head if name == "lm_head.weight" else model.get_parameter(name)), name
 
 
 @pytest.mark.parametrize(

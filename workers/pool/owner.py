@@ -1,0 +1,172 @@
+"""WeightOwner: the one owner of a pool's weights. A small async Ray actor per pool that every handle of the pool
+(the gateway's, each trainer's `connect_pool`) goes through to change weights, so that
+
+- versions are unique and increasing (one counter, kept in Ray's GCS key-value store, so a restarted owner goes on
+  counting where it stopped),
+- updates are serialised (one lock) and all-or-none: every worker stages the new weights first; only when all have
+  them does the owner tell them to commit, otherwise they drop them and nothing changes,
+- a worker that Ray restarted gets the current weights back: from the current checkpoint when it still exists,
+  else streamed from a live peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from ..errors import BadWeights, UpdateFailed, WeightsUnavailable
+
+log = logging.getLogger(__name__)
+
+KV_NAMESPACE = "ppo_logprobs"
+
+
+def cause(error: BaseException) -> BaseException:
+    """The exception a remote call raised, without Ray's wrapping (typed errors keep their type and message)."""
+    while isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    if isinstance(error, RayActorError):
+        return UpdateFailed(f"a worker died during the update ({type(error).__name__}); nothing changed")
+    return error
+
+
+class WeightOwner:
+    def __init__(self, key: str, model: str) -> None:
+        self.key = key
+        saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        state = json.loads(saved) if saved else {"version": 0, "last": 0, "source": {"path": model}}
+        self.version: int = state["version"]  # the version every worker serves once its commit landed
+        self.last: int = state["last"]  # the last version handed out, landed or not: never reused
+        self.source: dict = state["source"]  # {"path": checkpoint} or {"stream": True}
+        self.config: dict | None = state.get("config")  # to rebuild a worker whose checkpoint is gone
+        self.workers: list = []
+        self.lock = asyncio.Lock()
+        self.streams: dict[int, asyncio.Task] = {}
+
+    def _save(self) -> None:
+        state = json.dumps(
+            {"version": self.version, "last": self.last, "source": self.source, "config": self.config}, default=str
+        )
+        ray.experimental.internal_kv._internal_kv_put(self.key, state, overwrite=True, namespace=KV_NAMESPACE)
+
+    def forget(self) -> None:
+        ray.experimental.internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+
+    def set_workers(self, workers: list, config: dict) -> None:
+        self.workers, self.config = list(workers), config
+        self._save()
+
+    def state(self) -> dict:
+        return {"version": self.version, "source": self.source, "workers": self.workers}
+
+    def restore_spec(self) -> dict:
+        """For a restarted worker's constructor: where the current weights are."""
+        return {"version": self.version, "path": self.source.get("path"), "config": self.config}
+
+    def _next_version(self) -> int:
+        self.last += 1
+        self._save()
+        return self.last
+
+    async def _land(self, staging: list, version: int, source: dict) -> int:
+        """Waits for every worker's staging call; commits everywhere if all succeeded, else aborts everywhere and
+        raises the first failure (a BadWeights before any other)."""
+        outcomes = await asyncio.gather(*staging, return_exceptions=True)
+        errors = [cause(e) for e in outcomes if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(w.abort.remote(version) for w in self.workers), return_exceptions=True)
+            raise next((e for e in errors if isinstance(e, BadWeights)), errors[0])
+        self.version, self.source = version, source
+        self._save()
+        commits = await asyncio.gather(*(w.commit.remote(version) for w in self.workers), return_exceptions=True)
+        for i, outcome in enumerate(commits):
+            if isinstance(outcome, BaseException):  # it died after staging: restored when it comes back
+                log.warning("worker %d did not commit version %d: %s", i, version, cause(outcome))
+        return version
+
+    async def update_from_path(self, path: str) -> int:
+        async with self.lock:
+            version = self._next_version()
+            return await self._land([w.stage_checkpoint.remote(path, version) for w in self.workers], version,
+                                    {"path": path})
+
+    async def open_group(self, spec) -> None:
+        """Every worker joins a sender's group (ranks 1..n, in worker order)."""
+        await asyncio.gather(*(w.join_group.remote(spec, i + 1) for i, w in enumerate(self.workers)))
+
+    async def close_group(self, name: str) -> None:
+        await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
+
+    async def begin_stream(self, group: str, shapes: dict, full: bool = False):
+        """Checks the update on every worker, starts their receiving, and returns (version, staging layout) for
+        the sender to broadcast. The update lock is held until the stream has landed or failed."""
+        await self.lock.acquire()
+        try:
+            layouts = await asyncio.gather(*(w.layout_for.remote(shapes, full, group) for w in self.workers))
+        except Exception as e:
+            self.lock.release()
+            raise cause(e) from None
+        version = self._next_version()
+        staging = [w.stage_stream.remote(group, layouts[0], version) for w in self.workers]
+
+        async def land() -> int:
+            try:
+                return await self._land(staging, version, {"stream": True})
+            finally:
+                self.lock.release()
+
+        self.streams[version] = asyncio.create_task(land())
+        return version, layouts[0]
+
+    async def finish_stream(self, version: int) -> int:
+        return await self.streams.pop(version)
+
+    async def restore(self, index: int) -> int:
+        """Brings worker `index` to the current version if it is behind: from a live peer at that version over the
+        workers' collective backend, else from the current checkpoint."""
+        async with self.lock:
+            worker, version = self.workers[index], self.version
+            info = await worker.info.remote()
+            if info["weights_version"] == version:
+                return version
+            peers = []
+            for i, w in enumerate(self.workers):
+                if i != index:
+                    try:
+                        peer_info = await asyncio.wait_for(w.info.remote(), 30)
+                    except Exception:
+                        continue
+                    if peer_info["weights_version"] == version:
+                        peers.append(w)
+            try:
+                if peers:
+                    await self._stream_from_peer(peers[0], worker, info["device"], version)
+                elif "path" in self.source:
+                    await worker.stage_checkpoint.remote(self.source["path"], version)
+                else:
+                    raise WeightsUnavailable(
+                        f"a restarted worker needs weights version {version}, which were streamed, and no live worker "
+                        "holds them: send the weights again"
+                    )
+            except WeightsUnavailable:
+                raise
+            except Exception as e:
+                raise WeightsUnavailable(f"restoring a restarted worker failed: {cause(e)}") from None
+            return await worker.commit.remote(version)
+
+    async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:
+        name = f"restore-{uuid.uuid4().hex[:12]}"
+        spec = await peer.open_sender.remote(name, 2, "nccl" if device.startswith("cuda") else "gloo", 300.0)
+        layout = await worker.full_layout.remote()
+        joined = worker.join_group.remote(spec, 1)
+        sent = peer.send_weights.remote(spec, layout)
+        try:
+            await joined
+            await asyncio.gather(worker.stage_stream.remote(name, layout, version), sent)
+        finally:
+            worker.leave_group.remote(name)

@@ -1,0 +1,88 @@
+"""WeightSender: a trainer's side of a weight update streamed to every worker of a pool.
+
+    with pool.weight_sender() as sender:          # this process joins the workers in one process group
+        version = sender.send(model.named_parameters())   # every step: one broadcast for all workers
+
+The tensors may be a full or partial set, in any dtype (they are converted to the workers' dtypes bucket by bucket),
+CUDA tensors (NCCL, GPU to GPU) or host tensors (gloo), or FSDP2 DTensor shards (each gathered whole as its bucket
+is sent; the trainer's other ranks must iterate the same parameters calling `full_tensor()` alongside).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+
+import ray
+import torch
+
+from ..errors import UpdateFailed
+from ..weights.transfer import BUCKET_BYTES, GroupSpec, broadcast_tensors, open_group, serve_store
+from .owner import cause
+
+
+class WeightSender:
+    def __init__(self, owner, num_workers: int, device: torch.device, workers_on_cuda: bool, *,
+                 bucket_bytes: int | None = None, timeout_s: float = 300.0) -> None:
+        self.owner = owner
+        self.num_workers = num_workers
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" and workers_on_cuda else "gloo"
+        if self.backend == "gloo":
+            self.device = torch.device("cpu")
+        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
+        self.timeout_s = timeout_s
+        self.group = None
+        self._open()
+
+    def _open(self) -> None:
+        store = serve_store(self.timeout_s)
+        address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.spec = GroupSpec(f"weights-{uuid.uuid4().hex[:12]}", address, store.port, self.num_workers + 1,
+                              self.backend, self.timeout_s)  # type: ignore[arg-type]
+        joined = self.owner.open_group.remote(self.spec)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.group = open_group(self.spec, 0, store)
+        self._store = store
+        _get(joined)
+
+    def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Streams these tensors into every worker and returns the new weights_version once all have them; raises
+        IncompatibleWeights (nothing sent) or UpdateFailed (nothing changed) otherwise."""
+        if self.group is None:
+            raise UpdateFailed("this weight sender is closed")
+        tensors = dict(named.items() if isinstance(named, Mapping) else named)
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        try:
+            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes))
+        except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
+            self.close()
+            self._open()
+            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes))
+        try:
+            broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
+        except Exception:
+            self.close()  # the receivers' broadcasts fail with the group, and the owner aborts the update
+            _get(self.owner.finish_stream.remote(version))
+            raise
+        return _get(self.owner.finish_stream.remote(version))
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group = None
+            self._store = None
+            _get(self.owner.close_group.remote(self.spec.name))
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _get(ref):
+    try:
+        return ray.get(ref)
+    except Exception as e:
+        raise cause(e) from None

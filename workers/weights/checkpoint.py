@@ -1,0 +1,190 @@
+"""Safetensors checkpoints read straight into a staging buffer: headers checked first (names, shapes, dtypes, file
+sizes, so a truncated shard is refused before anything is read), then byte ranges read by several threads, through
+pinned host buffers when the destination is on CUDA, with no CPU copy of the whole model built on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
+from .staging import Layout, StagedWeights, match_model
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 << 20
+READ_THREADS = 8
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+
+
+def _short(path: str | os.PathLike) -> str:
+    text = str(path)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _read_header(file: Path) -> dict[str, TensorSpec]:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InvalidCheckpoint(f"{file.name} is truncated: {size} bytes, not even a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise InvalidCheckpoint(f"{file.name} is not a safetensors file or is truncated (header of {n} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise InvalidCheckpoint(f"{file.name} has a malformed safetensors header") from None
+    if not isinstance(header, dict):
+        raise InvalidCheckpoint(f"{file.name} has a malformed safetensors header")
+    specs, data = {}, 8 + n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise InvalidCheckpoint(f"{file.name}: tensor {name!r} has a malformed or unsupported entry") from None
+        if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+            raise InvalidCheckpoint(f"{file.name}: tensor {name!r} has {end - begin} bytes for shape {list(shape)}")
+        if data + end > size:
+            raise InvalidCheckpoint(
+                f"{file.name} is truncated: tensor {name!r} ends at byte {data + end}, the file has {size}"
+            )
+        specs[name] = TensorSpec(str(file), dtype, shape, data + begin, data + end)
+    return specs
+
+
+def read_index(path: str) -> dict[str, TensorSpec]:
+    """Every tensor of the checkpoint directory at `path`, from its shards' headers (no tensor data is read).
+
+    Raises CheckpointNotFound (no such directory) or InvalidCheckpoint (no shards, bad header, truncated shard).
+    """
+    if "\x00" in path:
+        raise CheckpointNotFound(f"no checkpoint directory at {_short(path)!r}")
+    root = Path(path)
+    try:
+        if not root.is_dir():
+            raise CheckpointNotFound(f"no checkpoint directory at {_short(path)!r}")
+        files = sorted(root.glob("*.safetensors"))
+    except OSError as e:
+        raise CheckpointNotFound(f"cannot read the checkpoint directory {_short(path)!r}: {e.strerror}") from None
+    if not files:
+        raise InvalidCheckpoint(f"{_short(path)!r} has no *.safetensors weights")
+    index: dict[str, TensorSpec] = {}
+    for file in files:
+        try:
+            specs = _read_header(file)
+        except OSError as e:
+            raise InvalidCheckpoint(f"cannot read {file.name}: {e.strerror}") from None
+        for name in specs.keys() & index.keys():
+            raise InvalidCheckpoint(f"tensor {name!r} is in two shards")
+        index.update(specs)
+    return index
+
+
+def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout]:
+    """The checkpoint's tensors and their staging layout; every refusal raised before any data is read."""
+    index = read_index(path)
+    layout = match_model(model, {n: s.shape for n, s in index.items()}, full=True, what="the checkpoint")
+    for entry in layout.entries:
+        dtype = index[entry.name].dtype
+        if not dtype.is_floating_point:
+            raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
+    return index, layout
+
+
+_slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads
+
+
+def _slot_queue(device: torch.device) -> queue.Queue:
+    """READ_THREADS pinned host buffers with a copy stream each, made once per process (pinning is slow)."""
+    global _slots
+    if _slots is None:
+        _slots = queue.Queue()
+        for _ in range(READ_THREADS):
+            buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+            _slots.put((buffer, torch.cuda.Stream(device), None))
+    return _slots
+
+
+def _read_range(fd: int, offset: int, out: memoryview) -> None:
+    while out:
+        got = os.preadv(fd, [out], offset)
+        if got == 0:
+            raise InvalidCheckpoint(f"a shard ended early at byte {offset} (changed while being read?)")
+        out, offset = out[got:], offset + got
+
+
+def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
+    """Reads the whole checkpoint at `path` into a new staging buffer for `model` (commit() applies it)."""
+    index, layout = check_checkpoint(model, path)
+    device = next(model.parameters()).device
+    staged = StagedWeights(layout, device)
+    fds = {file: os.open(file, os.O_RDONLY) for file in {index[e.name].file for e in layout.entries}}
+    try:
+        jobs = []  # (fd, file offset, bytes, source dtype, destination: a flat slice of the staged tensor)
+        for entry in layout.entries:
+            spec = index[entry.name]
+            dst = staged.tensor(entry).view(-1)
+            step = max(1, CHUNK_BYTES // spec.dtype.itemsize)
+            for lo in range(0, dst.numel(), step):
+                n = min(step, dst.numel() - lo)
+                jobs.append((fds[spec.file], spec.start + lo * spec.dtype.itemsize, n * spec.dtype.itemsize,
+                             spec.dtype, dst[lo : lo + n]))
+        cuda = staged.device.type == "cuda"
+        slots = _slot_queue(staged.device) if cuda else None
+
+        def run(job) -> None:
+            fd, offset, nbytes, dtype, dst = job
+            if cuda:
+                buf, stream, done = slots.get()
+                try:
+                    if done is not None:
+                        done.synchronize()  # the last copy out of this buffer has finished
+                    _read_range(fd, offset, memoryview(buf.numpy())[:nbytes])
+                    with torch.cuda.stream(stream):
+                        dst.copy_(buf[:nbytes].view(dtype), non_blocking=True)
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                finally:
+                    slots.put((buf, stream, done))
+            elif dtype == dst.dtype:
+                _read_range(fd, offset, memoryview(dst.view(torch.uint8).numpy()))
+            else:
+                tmp = torch.empty(nbytes, dtype=torch.uint8)
+                _read_range(fd, offset, memoryview(tmp.numpy()))
+                dst.copy_(tmp.view(dtype))
+
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            list(pool.map(run, jobs))
+        if cuda:
+            torch.cuda.synchronize(staged.device)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return staged

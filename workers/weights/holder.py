@@ -1,0 +1,109 @@
+"""The weight side of a worker: updates are staged (from a checkpoint, or a stream from a trainer or a peer), then
+committed or aborted on the pool owner's word; a worker can also stream its own weights to a restarted peer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UpdateFailed
+from .checkpoint import read_checkpoint
+from .staging import Layout, StagedWeights, match_model
+from .transfer import GroupSpec, broadcast_tensors, open_group, receive_tensors, serve_store
+
+
+class WeightsHolder:
+    """Mixed into LogProbWorker: needs `self.model` and keeps `self.weights_version` (None: no weights yet)."""
+
+    model: nn.Module
+    weights_version: int | None
+
+    def _init_weights(self) -> None:
+        self._staged: tuple[int, StagedWeights] | None = None
+        self._groups: dict = {}  # group name -> (GroupSpec, process group), this worker a receiver
+        self._stores: dict = {}  # group name -> the store this worker serves as a sender
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def layout_for(self, shapes: dict[str, tuple[int, ...]], full: bool = False, group: str | None = None) -> Layout:
+        """Checks an update's names and shapes against the model (IncompatibleWeights) and, for a stream, that
+        this worker is in the sender's group; returns the staging layout."""
+        if group is not None and group not in self._groups:
+            raise UpdateFailed(f"a worker is not in the sender's group {group!r} (restarted since it was opened)")
+        return match_model(self.model, shapes, full=full, what="the update")
+
+    def full_layout(self) -> Layout:
+        """The layout of all the model's parameters (a restore from a peer)."""
+        shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        return match_model(self.model, shapes, full=True, what="the update")
+
+    def stage_checkpoint(self, path: str, version: int) -> None:
+        self._staged = (version, read_checkpoint(self.model, path))
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """An in-process update (a plain worker, tests): the given tensors, checked, copied to staging."""
+        layout = match_model(self.model, {n: tuple(t.shape) for n, t in tensors.items()}, full=False, what="the update")
+        staged = StagedWeights(layout, self._device)
+        for entry in layout.entries:
+            staged.tensor(entry).copy_(tensors[entry.name])
+        self._staged = (version, staged)
+
+    def join_group(self, spec: GroupSpec, rank: int) -> None:
+        self._groups[spec.name] = (spec, open_group(spec, rank))
+
+    def leave_group(self, name: str) -> None:
+        self._groups.pop(name, None)
+        self._stores.pop(name, None)
+
+    def stage_stream(self, group: str, layout: Layout, version: int) -> None:
+        spec, pg = self._groups[group]
+        staged = StagedWeights(layout, self._device if spec.backend == "nccl" else torch.device("cpu"))
+        try:
+            receive_tensors(pg, staged)
+        except Exception as e:
+            self._groups.pop(group, None)  # a broken group is not used again
+            raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
+        self._staged = (version, staged)
+
+    def commit(self, version: int) -> int:
+        if self._staged is None or self._staged[0] != version:
+            raise UpdateFailed(f"no staged weights of version {version} to commit")
+        self._staged[1].commit(self.model)
+        self._staged = None
+        self.weights_version = version
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()  # the staging buffer
+        return version
+
+    def abort(self, version: int) -> None:
+        if self._staged is not None and self._staged[0] == version:
+            self._staged = None
+
+    def update_weights(self, weights: dict | str, version: int) -> int:
+        """Stages and commits at once (a plain worker used in one process): a checkpoint path or a dict of tensors,
+        full or partial; IncompatibleWeights or InvalidCheckpoint before anything changes."""
+        if isinstance(weights, str):
+            self.stage_checkpoint(weights, version)
+        else:
+            self.stage_tensors(weights, version)
+        return self.commit(version)
+
+    def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float) -> GroupSpec:
+        """Serves a store for a group in which this worker sends its weights (to restore a restarted peer)."""
+        import ray
+
+        store = serve_store(timeout_s)
+        self._stores[name] = store
+        address = ray.util.get_node_ip_address()
+        return GroupSpec(name, address, store.port, world_size, backend, timeout_s)  # type: ignore[arg-type]
+
+    def send_weights(self, spec: GroupSpec, layout: Layout) -> None:
+        try:
+            pg = open_group(spec, 0, self._stores[spec.name])
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            device = self._device if spec.backend == "nccl" else torch.device("cpu")
+            broadcast_tensors(pg, params, layout, device)
+        finally:
+            self._stores.pop(spec.name, None)

@@ -1,0 +1,108 @@
+"""Staged weight updates: new tensors land in a staging buffer first and are copied into the parameters only when
+every worker of the pool has them (commit), or dropped (abort). So an update lands everywhere or nowhere.
+
+A `Layout` places named tensors in one flat byte buffer; checkpoint reads and broadcasts fill it by byte ranges.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import IncompatibleWeights
+
+_ALIGN = 256  # bytes; every tensor starts at a multiple, so dtype views of the buffer are aligned
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+HEADROOM_BYTES = 2 << 30  # device memory left free for scoring when staging on the device
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes into the staging buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple[Entry, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, items: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> Layout:
+        entries, offset = [], 0
+        for name, shape, dtype in items:
+            nbytes = math.prod(shape) * dtype.itemsize
+            entries.append(Entry(name, tuple(shape), dtype, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        return cls(tuple(entries), offset)
+
+
+def _layers(names: Iterable[str]) -> int:
+    return 1 + max((int(m.group(1)) for n in names if (m := _LAYER.search(n))), default=-1)
+
+
+def match_model(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, full: bool, what: str) -> Layout:
+    """The layout of an update of `model` with tensors of these names and shapes, in the model's own dtypes.
+
+    Raises IncompatibleWeights naming the first difference: a name the model lacks, a shape that differs, or
+    (full=True) a parameter the update lacks. Tied parameters are one parameter under several names.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    unknown = [n for n in shapes if n not in params]
+    if unknown:
+        mine, theirs = _layers(params), _layers(shapes)
+        layers = f"; {what} has {theirs} layers, the model {mine}" if theirs != mine else ""
+        raise IncompatibleWeights(
+            f"{what} has {len(unknown)} tensors the model does not, e.g. {unknown[0]!r}{layers}"
+        )
+    items, seen = [], set()
+    for name, shape in shapes.items():
+        p = params[name]
+        if tuple(shape) != tuple(p.shape):
+            raise IncompatibleWeights(
+                f"{name!r} has shape {list(shape)} in {what} and {list(p.shape)} in the model"
+            )
+        if id(p) not in seen:  # a tied parameter is written once
+            seen.add(id(p))
+            items.append((name, tuple(shape), p.dtype))
+    if full:
+        missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+        if missing:
+            raise IncompatibleWeights(f"{what} lacks {len(missing)} of the model's parameters, e.g. {missing[0]!r}")
+    return Layout.of(items)
+
+
+class StagedWeights:
+    """A staging buffer for one update: on the model's device when it fits beside `HEADROOM_BYTES`, else in host
+    memory (pinned when the model is on CUDA)."""
+
+    def __init__(self, layout: Layout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = device
+        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < layout.nbytes + HEADROOM_BYTES:
+            self.device = torch.device("cpu")
+        pin = device.type == "cuda" and self.device.type == "cpu"
+        self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+
+    def bytes_of(self, entry: Entry) -> Tensor:
+        return self.buffer[entry.offset : entry.offset + entry.nbytes]
+
+    def tensor(self, entry: Entry) -> Tensor:
+        return self.bytes_of(entry).view(entry.dtype).view(entry.shape)
+
+    @torch.no_grad()
+    def commit(self, model: nn.Module) -> None:
+        """Copies every staged tensor into the model's parameter of that name."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for entry in self.layout.entries:
+            params[entry.name].copy_(self.tensor(entry), non_blocking=True)
+        if self.device.type == "cuda" or next(model.parameters()).is_cuda:
+            torch.cuda.synchronize()

@@ -1,0 +1,128 @@
+"""Weights streamed to workers over one torch.distributed process group: the sender (a trainer, or a live worker
+restoring a restarted one) is rank 0 and broadcasts, every receiving worker fills its staging buffer in place.
+
+The group is its own: a TCPStore opened by the sender and a ProcessGroupNCCL / ProcessGroupGloo made from it,
+never the default process group, so a trainer's own torch.distributed set-up (FSDP, DDP) is left alone. NCCL
+moves CUDA tensors GPU to GPU (NVLink within a node); gloo moves host memory (CPU workers, CI, CPU tensors).
+Tensors travel in buckets of consecutive entries of the staging layout: a bucket holding one tensor that is
+already contiguous and in the workers' dtype is broadcast straight from it, the others are packed first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .staging import Entry, Layout, StagedWeights
+
+BUCKET_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """How a receiver joins a sender's group: the sender's store address, its name, size and backend."""
+
+    name: str
+    address: str
+    port: int
+    world_size: int
+    backend: Literal["nccl", "gloo"]
+    timeout_s: float = 300.0
+
+
+def open_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> dist.ProcessGroup:
+    """This process's member of the group (rank 0 passes the store it serves). Blocks until every rank joined
+    (gloo); NCCL connects at the first broadcast."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(spec.name, store)
+    if spec.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+    ## NB: a timed-out broadcast (a sender that died) aborts the communicator and raises, instead of the default
+    # of tearing the whole process down; the pool then keeps the old weights.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+
+
+def serve_store(timeout_s: float) -> dist.TCPStore:
+    """The sender's store on a free port (the port is `.port`)."""
+    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def buckets(layout: Layout, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[Entry, ...]]:
+    """Consecutive entries grouped up to bucket_bytes; an entry larger than that goes alone."""
+    out: list[tuple[Entry, ...]] = []
+    current: list[Entry] = []
+    for entry in layout.entries:
+        if current and entry.offset + entry.nbytes - current[0].offset > bucket_bytes:
+            out.append(tuple(current))
+            current = []
+        current.append(entry)
+    if current:
+        out.append(tuple(current))
+    return out
+
+
+def _span(bucket: tuple[Entry, ...]) -> tuple[int, int]:
+    return bucket[0].offset, bucket[-1].offset + bucket[-1].nbytes
+
+
+def _root0() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
+def _as_full(tensor: Tensor) -> Tensor:
+    """A DTensor (FSDP2 shard) gathered whole; any other tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+@torch.no_grad()
+def broadcast_tensors(group: dist.ProcessGroup, tensors: dict[str, Tensor], layout: Layout, device: torch.device,
+                      bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Rank 0's side: every entry of `layout` from `tensors[name]`, converted to the entry's dtype on `device`."""
+    plan = buckets(layout, bucket_bytes)
+    largest = max((_span(b)[1] - _span(b)[0] for b in plan if len(b) > 1), default=0)
+    packs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)] if largest else []
+    works: list = [None, None]  # the broadcast last sent from each pack buffer
+    for i, bucket in enumerate(plan):
+        lo, hi = _span(bucket)
+        first = _as_full(tensors[bucket[0].name])
+        if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
+            group.broadcast([first.view(-1).view(torch.uint8)], _root0()).wait()
+            continue
+        k = i % 2
+        if works[k] is not None:
+            works[k].wait()  # the pack buffer is free again
+        pack = packs[k][: hi - lo] if packs else torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        for entry in bucket:
+            src = _as_full(tensors[entry.name])
+            view = pack[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
+            view.copy_(src, non_blocking=True)
+        works[k] = group.broadcast([pack], _root0())
+    for work in works:
+        if work is not None:
+            work.wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def receive_tensors(group: dist.ProcessGroup, staged: StagedWeights, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """A receiver's side: every bucket straight into the staging buffer."""
+    for bucket in buckets(staged.layout, bucket_bytes):
+        lo, hi = _span(bucket)
+        group.broadcast([staged.buffer[lo:hi]], _root0()).wait()
+    if staged.device.type == "cuda":
+        torch.cuda.synchronize(staged.device)
