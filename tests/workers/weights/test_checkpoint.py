@@ -1,0 +1,125 @@
+"""Checkpoints read into staging: refusals before any data is read, exact bytes, dtype conversion, shards, ties."""
+
+import json
+import struct
+
+import pytest
+import torch
+
+from ppo_logprobs.workers import load_model
+from ppo_logprobs.workers.errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
+from ppo_logprobs.workers.models.load_model import TINY_CONFIG
+from ppo_logprobs.workers.weights import checkpoint
+from ppo_logprobs.workers.weights.checkpoint import read_checkpoint, read_index
+
+
+def perturbed(seed, **config):
+    """The tiny model (or another config of it) with weights moved away from the built-in ones."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, **config})) if config else load_model("tiny")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def save(model, path, **kw):
+    model.forward = type(model).forward.__get__(model)  # a patched instance saves like any other
+    model.save_pretrained(path, **kw)
+    return str(path)
+
+
+def params(model):
+    return dict(model.named_parameters())
+
+
+def test_a_checkpoint_lands_bitwise_and_only_on_commit(tmp_path):
+    source = perturbed(1)
+    path = save(source, tmp_path / "ckpt")
+    model = load_model("tiny", backend="torch")
+    before = {n: p.clone() for n, p in params(model).items()}
+    staged = read_checkpoint(model, path)
+    assert all(torch.equal(p, before[n]) for n, p in params(model).items())  # staging changes nothing
+    staged.commit(model)
+    for name, p in params(source).items():
+        assert torch.equal(params(model)[name], p), name
+
+
+def test_shards_ties_conversion_and_chunks(tmp_path, monkeypatch):
+    source = perturbed(2, tie_word_embeddings=True)
+    path = save(source, tmp_path / "tied", max_shard_size="100KB")
+    assert len(list((tmp_path / "tied").glob("*.safetensors"))) > 2
+    assert "lm_head.weight" not in read_index(path)  # tied: saved once
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, "tie_word_embeddings": True})).to(torch.bfloat16)
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 4096)  # tensors read in many element ranges
+    read_checkpoint(model, path).commit(model)
+    for name, p in params(source).items():
+        assert torch.equal(params(model)[name], p.to(torch.bfloat16)), name
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(vocab_size=600), r"'lm_head.weight' has shape \[600, 64\] in the checkpoint and \[503, 64\] in the model"),
+    (dict(num_hidden_layers=3), r"the checkpoint has 3 layers, the model 2"),
+    (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), r"has shape \[.*32.*\] in the checkpoint"),
+])
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path, config, message):
+    path = save(perturbed(3, **config), tmp_path / "other")
+    with pytest.raises(IncompatibleWeights, match=message):
+        read_checkpoint(load_model("tiny"), path)
+
+
+def test_a_checkpoint_missing_parameters_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    (tmp_path / "part").mkdir()
+    save_file({"lm_head.weight": torch.zeros(503, 64)}, str(tmp_path / "part" / "model.safetensors"))
+    lacks = r"the checkpoint lacks 26 of the model's parameters, e.g. 'model.embed_tokens.weight'"
+    with pytest.raises(IncompatibleWeights, match=lacks):
+        read_checkpoint(load_model("tiny"), str(tmp_path / "part"))
+
+
+def write(path, data: bytes):
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    return str(path.parent)
+
+
+def test_unreadable_checkpoints_are_refused_naming_the_problem(tmp_path):
+    good = save(perturbed(4), tmp_path / "good")
+    shard = next((tmp_path / "good").glob("*.safetensors"))
+    data = shard.read_bytes()
+    cases = [
+        (str(tmp_path / "missing"), CheckpointNotFound, "no checkpoint directory at"),
+        ("/etc/passwd", CheckpointNotFound, "no checkpoint directory at '/etc/passwd'"),
+        ("a/b\x00c", CheckpointNotFound, "no checkpoint directory"),
+        (str(tmp_path), InvalidCheckpoint, "has no \\*.safetensors weights"),
+        (write(tmp_path / "trunc" / shard.name, data[: len(data) - 100]), InvalidCheckpoint,
+         r"is truncated: tensor '.*' ends at byte \d+, the file has \d+"),
+        (write(tmp_path / "short" / "a.safetensors", b"\x01\x02"), InvalidCheckpoint, "not even a safetensors header"),
+        (write(tmp_path / "garbage" / "a.safetensors", b"\x10" + bytes(7) + b"not json at all!"), InvalidCheckpoint,
+         "malformed safetensors header"),
+        (write(tmp_path / "huge" / "a.safetensors", struct.pack("<Q", 1 << 40) + b"{}"), InvalidCheckpoint,
+         "not a safetensors file or is truncated"),
+        (write(tmp_path / "odd" / "a.safetensors", _header("F32", [3], 8)), InvalidCheckpoint,
+         r"tensor 'x' has 8 bytes for shape \[3\]"),
+        (write(tmp_path / "dtype" / "a.safetensors", _header("C64", [], 8)), InvalidCheckpoint,
+         "malformed or unsupported entry"),
+    ]
+    model = load_model("tiny")
+    before = {n: p.clone() for n, p in params(model).items()}
+    for path, error, message in cases:
+        with pytest.raises(error, match=message):
+            read_checkpoint(model, path)
+    assert all(torch.equal(p, before[n]) for n, p in params(model).items())
+    read_checkpoint(model, good)  # the reader is still usable
+
+
+def _header(dtype, shape, nbytes) -> bytes:
+    """A one-tensor safetensors file "x" whose header says this dtype, shape and byte count."""
+    text = json.dumps({"x": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    return struct.pack("<Q", len(text)) + text + bytes(nbytes)

@@ -1,0 +1,60 @@
+"""Streaming a layout over a gloo group: every receiver gets exactly the sender's tensors in its dtypes."""
+
+import threading
+
+import pytest
+import torch
+
+from ppo_logprobs.workers.weights.staging import Layout, StagedWeights
+from ppo_logprobs.workers.weights.transfer import (
+    GroupSpec,
+    broadcast_tensors,
+    buckets,
+    open_group,
+    receive_tensors,
+    serve_store,
+)
+
+
+def test_buckets_cover_the_layout_in_order():
+    layout = Layout.of([(f"t{i}", (n,), torch.float32) for i, n in enumerate([10, 300, 7, 1, 900, 3])])
+    plan = buckets(layout, bucket_bytes=1300)
+    assert [e for b in plan for e in b] == list(layout.entries)
+    for b in plan:
+        assert len(b) == 1 or b[-1].offset + b[-1].nbytes - b[0].offset <= 1300
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1500, 1 << 20])
+def test_two_receivers_get_the_senders_tensors(bucket_bytes):
+    g = torch.Generator().manual_seed(0)
+    sources = {  # as a trainer holds them: fp32 (converted), transposed (packed), already in the workers' dtype
+        "a": torch.randn(7, 5, generator=g),
+        "b": torch.randn(13, 3, generator=g).t(),
+        "c": torch.randn(257, generator=g).to(torch.bfloat16),
+        "d": torch.randn(1, generator=g),
+        "e": torch.randn(31, 9, generator=g).to(torch.bfloat16),
+    }
+    layout = Layout.of([(n, tuple(t.shape), torch.bfloat16 if n != "d" else torch.float32) for n, t in sources.items()])
+    store = serve_store(60)
+    spec = GroupSpec("test", "127.0.0.1", store.port, 3, "gloo", 60)
+    received, errors = {}, []
+
+    def receiver(rank):
+        try:
+            staged = StagedWeights(layout, torch.device("cpu"))
+            receive_tensors(open_group(spec, rank), staged, bucket_bytes)
+            received[rank] = staged
+        except Exception as e:  # reported to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=receiver, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    broadcast_tensors(open_group(spec, 0, store), sources, layout, torch.device("cpu"), bucket_bytes)
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(received) == [1, 2]
+    for staged in received.values():
+        for entry in layout.entries:
+            expected = sources[entry.name].to(entry.dtype)
+            assert torch.equal(staged.tensor(entry), expected), entry.name
