@@ -20,6 +20,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from ..errors import BadWeights, UpdateFailed, WeightsUnavailable
+from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class WeightOwner:
     async def close_group(self, name: str) -> None:
         await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
 
-    async def begin_stream(self, group: str, shapes: dict, full: bool = False):
+    async def begin_stream(self, group: str, shapes: dict, bucket_bytes: int, full: bool = False):
         """Checks the update on every worker, starts their receiving, and returns (version, staging layout) for
         the sender to broadcast. The update lock is held until the stream has landed or failed."""
         await self.lock.acquire()
@@ -112,7 +113,7 @@ class WeightOwner:
             self.lock.release()
             raise cause(e) from None
         version = self._next_version()
-        staging = [w.stage_stream.remote(group, layouts[0], version) for w in self.workers]
+        staging = [w.stage_stream.remote(group, layouts[0], version, bucket_bytes) for w in self.workers]
 
         async def land() -> int:
             try:
@@ -167,6 +168,6 @@ class WeightOwner:
         sent = peer.send_weights.remote(spec, layout)
         try:
             await joined
-            await asyncio.gather(worker.stage_stream.remote(name, layout, version), sent)
+            await asyncio.gather(worker.stage_stream.remote(name, layout, version, BUCKET_BYTES), sent)
         finally:
             worker.leave_group.remote(name)

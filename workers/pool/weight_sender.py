@@ -52,14 +52,14 @@ class WeightSender:
         IncompatibleWeights (nothing sent) or UpdateFailed (nothing changed) otherwise."""
         if self.group is None:
             raise UpdateFailed("this weight sender is closed")
-        tensors = dict(named.items() if isinstance(named, Mapping) else named)
+        tensors = named if isinstance(named, Mapping) else dict(named)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         try:
-            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes))
+            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
             self.close()
             self._open()
-            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes))
+            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         try:
             broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
         except Exception:

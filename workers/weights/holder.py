@@ -57,11 +57,11 @@ class WeightsHolder:
         self._groups.pop(name, None)
         self._stores.pop(name, None)
 
-    def stage_stream(self, group: str, layout: Layout, version: int) -> None:
+    def stage_stream(self, group: str, layout: Layout, version: int, bucket_bytes: int) -> None:
         spec, pg = self._groups[group]
         staged = StagedWeights(layout, self._device if spec.backend == "nccl" else torch.device("cpu"))
         try:
-            receive_tensors(pg, staged)
+            receive_tensors(pg, staged, bucket_bytes)
         except Exception as e:
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None

@@ -26,8 +26,13 @@ def perturbed(seed, **config):
 
 
 def save(model, path, **kw):
-    model.forward = type(model).forward.__get__(model)  # a patched instance saves like any other
-    model.save_pretrained(path, **kw)
+    """save_pretrained of a patched instance, which keeps its patch."""
+    patched = model.__dict__.pop("forward", None)
+    try:
+        model.save_pretrained(path, **kw)
+    finally:
+        if patched is not None:
+            model.forward = patched
     return str(path)
 
 

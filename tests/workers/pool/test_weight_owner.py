@@ -1,0 +1,181 @@
+"""Weight updates through a pool's owner on a local Ray cluster: trainer processes streaming over gloo, refusals that
+change nothing, a trainer killed mid-stream, restarted workers after each source, versions from two handles."""
+
+import shutil
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from ppo_logprobs.workers import WorkerPool, load_model
+from ppo_logprobs.workers.errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
+
+from ...helpers import alone, random_sequences
+
+SEQS = random_sequences(12, seed=50, hi=80)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture
+def pool(cluster):
+    pool = WorkerPool.create("tiny", 2, name="owner-test", max_tokens_per_batch=256, backend="torch")
+    yield pool
+    pool.shutdown()
+
+
+def perturbed(seed):
+    model = load_model("tiny", backend="torch")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def save(model, path, **kw):
+    """save_pretrained of a patched instance, which keeps its patch."""
+    patched = model.__dict__.pop("forward", None)
+    try:
+        model.save_pretrained(path, **kw)
+    finally:
+        if patched is not None:
+            model.forward = patched
+    return str(path)
+
+
+def assert_serves(pool, model, version):
+    results = pool.compute_log_probs(SEQS)
+    for seq, r in zip(SEQS, results, strict=True):
+        lp, ent = alone(model, seq)
+        np.testing.assert_allclose(r.log_probs, lp, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5)
+        assert r.weights_version == version
+    assert pool.weights_version == version
+    assert {h["weights_version"] for h in pool.health()} == {version}
+
+
+TRAINER = """
+import os, sys, ray, torch
+from ppo_logprobs.workers import WorkerPool, load_model
+ray.init(address=sys.argv[1], log_to_driver=False)
+model = load_model("tiny", backend="torch")
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+pool = WorkerPool.connect("owner-test")
+
+class DiesAt(dict):
+    # the trainer's tensors; reading the n-th one kills the process (a trainer killed mid-stream)
+    def __init__(self, items, n):
+        super().__init__(items)
+        self.reads, self.n = 0, n
+    def __getitem__(self, name):
+        self.reads += 1
+        if self.reads == self.n:
+            os._exit(9)
+        return super().__getitem__(name)
+
+with pool.weight_sender(bucket_bytes=int(sys.argv[4])) as sender:
+    if sys.argv[3] == "full":
+        print("version", sender.send(model.named_parameters()))
+        print("version", sender.send({"lm_head.weight": model.lm_head.weight * 2}))
+    else:
+        sender.send(DiesAt(model.state_dict(), 12))
+"""
+
+
+def trainer(cluster, seed, mode, bucket_bytes=1 << 20):
+    return subprocess.run([sys.executable, "-c", TRAINER, cluster, str(seed), mode, str(bucket_bytes)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_trainer_process_streams_full_and_partial_updates(cluster, pool):
+    done = trainer(cluster, 5, "full")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("version")] == ["1", "2"]
+    expected = perturbed(5)
+    with torch.no_grad():
+        expected.lm_head.weight.mul_(2)  # the partial update: only the head changed
+    assert_serves(pool, expected, 2)
+
+
+def test_a_trainer_killed_mid_stream_changes_nothing(cluster, pool, tmp_path):
+    done = trainer(cluster, 6, "dies", bucket_bytes=20_000)  # many buckets: it dies after sending some
+    assert done.returncode == 9, done.stderr[-3000:]
+    assert_serves(pool, load_model("tiny", backend="torch"), 0)
+    new = perturbed(7)
+    version = pool.update_weights(save(new, tmp_path / "ckpt"))  # the owner is free for the next update
+    assert version >= 1
+    assert_serves(pool, new, version)
+
+
+def test_refused_updates_change_nothing(pool, tmp_path):
+    path = save(perturbed(8), tmp_path / "good")
+    assert pool.update_weights(path) == 1
+    truncated = tmp_path / "truncated"
+    shutil.copytree(path, truncated)
+    shard = next(truncated.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-64])
+    refusals = [
+        ({"lm_head.weight": torch.zeros(7, 64)}, IncompatibleWeights, r"'lm_head.weight' has shape \[7, 64\]"),
+        ({"model.layers.9.x": torch.zeros(1)}, IncompatibleWeights, "the update has 1 tensors the model does not"),
+        (str(truncated), InvalidCheckpoint, "is truncated"),
+        (str(tmp_path / "nothing-here"), CheckpointNotFound, "no checkpoint directory"),
+    ]
+    for weights, error, message in refusals:
+        with pytest.raises(error, match=message):
+            pool.update_weights(weights)
+    assert_serves(pool, load_model(path, backend="torch"), 1)
+
+
+def test_restarted_workers_come_back_with_the_current_weights(pool, tmp_path):
+    path = save(perturbed(9), tmp_path / "step-1")
+    version = pool.update_weights(path)
+    pid = pool.health()[0]["pid"]
+    ray.kill(pool.workers[0], no_restart=False)  # restarted from the checkpoint it was last given
+    model = load_model(path, backend="torch")
+    assert_serves(pool, model, version)
+    assert pool.health()[0]["pid"] != pid
+
+    shutil.rmtree(path)  # the trainer rotated its checkpoints: a restarted worker gets them from its peer
+    ray.kill(pool.workers[1], no_restart=False)
+    assert_serves(pool, model, version)
+
+    streamed = perturbed(10)
+    version = pool.update_weights(dict(streamed.named_parameters()))  # streamed from this process (gloo)
+    ray.kill(pool.workers[0], no_restart=False)
+    assert_serves(pool, streamed, version)
+
+
+def test_two_handles_updating_at_once_get_distinct_increasing_versions(pool, tmp_path):
+    paths = [save(perturbed(20 + i), tmp_path / f"c{i}") for i in range(4)]
+    other = WorkerPool.connect("owner-test")  # a trainer's handle beside the service's
+    landed, errors = [], []
+
+    def update(handle, path):
+        try:
+            landed.append((handle.update_weights(path), path))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=update, args=(h, p)) for h in (pool, other) for p in paths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors
+    versions = sorted(v for v, _ in landed)
+    assert versions == list(range(1, 9))
+    last = max(landed)[1]
+    assert_serves(other, load_model(last, backend="torch"), 8)
