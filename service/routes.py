@@ -12,6 +12,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
 
+from ppo_logprobs.workers.errors import (
+    CheckpointNotFound,
+    IncompatibleWeights,
+    InvalidCheckpoint,
+    UpdateFailed,
+    WeightsChanged,
+    WeightsUnavailable,
+    cause,
+)
 from ppo_logprobs.workers.pool.log_prob_worker import validate_request
 
 from .batcher import Overloaded
@@ -79,12 +88,7 @@ async def logprobs(body: LogProbsRequest, gw: GatewayDep) -> LogProbsResponse:
         vocab_size=model.vocab_size, max_tokens=settings.max_tokens_per_batch,
     )
     start = time.perf_counter()
-    for _ in range(3):  # a reload landing mid-request can mix versions across workers: ask again
-        scores = await model.batcher.submit(body.input_ids, starts, temps, body.return_entropy)
-        if len({s.weights_version for s in scores}) == 1:
-            break
-    else:
-        raise HTTPException(503, "weights changed during the request three times; retry", {"Retry-After": "1"})
+    scores = await model.batcher.submit(body.input_ids, starts, temps, body.return_entropy)  # one weights version
     gw.metrics.observe(name, tokens, time.perf_counter() - start)
     results = [
         SequenceResult(
@@ -110,18 +114,16 @@ def model_info(gw, name: str, version: int) -> ModelInfo:
 
 @router.get("/v1/models", response_model=ModelList, dependencies=Authorized)
 async def list_models(gw: GatewayDep) -> ModelList:
-    return ModelList(
-        models=[
-            model_info(gw, name, m.pool.weights_version)
-            for name, m in gw.models.items()
-        ]
-    )
+    states = await asyncio.gather(*(m.pool.owner.state.remote() for m in gw.models.values()))
+    return ModelList(models=[model_info(gw, name, s["version"]) for name, s in zip(gw.models, states, strict=True)])
 
 
 @router.post("/v1/models/{name}/reload", response_model=ModelInfo, dependencies=Authorized)
 async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo:
+    """Every worker reads the checkpoint; it lands on all of them or on none (404: no such directory, 422: not a
+    usable checkpoint, 409: it does not fit the served model). Requests in flight keep the version they started
+    with; concurrent reloads (and trainers' updates) are applied one after another, each with its own version."""
     name, model = served(gw, name)
-    # actors finish the calls they hold before loading: requests in flight keep the version they started with
     version = await asyncio.to_thread(model.pool.update_weights, body.path)
     return model_info(gw, name, version)
 
@@ -171,6 +173,23 @@ def install_error_handlers(app: FastAPI) -> None:
     async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
         record(request, 422)
         return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    weight_statuses = {CheckpointNotFound: 404, InvalidCheckpoint: 422, IncompatibleWeights: 409}
+
+    @app.exception_handler(CheckpointNotFound)
+    @app.exception_handler(InvalidCheckpoint)
+    @app.exception_handler(IncompatibleWeights)
+    async def bad_weights(request: Request, exc: ValueError) -> JSONResponse:
+        status = next(code for kind, code in weight_statuses.items() if isinstance(exc, kind))
+        record(request, status)
+        return JSONResponse({"detail": str(cause(exc))}, status_code=status)
+
+    @app.exception_handler(UpdateFailed)
+    @app.exception_handler(WeightsUnavailable)
+    @app.exception_handler(WeightsChanged)
+    async def weights_in_flux(request: Request, exc: RuntimeError) -> JSONResponse:
+        record(request, 503)
+        return JSONResponse({"detail": f"{cause(exc)}; retry"}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Overloaded)
     async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:

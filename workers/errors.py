@@ -27,3 +27,29 @@ class UpdateFailed(RuntimeError):
 
 class WeightsUnavailable(RuntimeError):
     """A worker has no weights to serve yet (restarted and not restored); transient."""
+
+
+class WeightsChanged(RuntimeError):
+    """The weights changed under a call more often than it re-asked; transient."""
+
+
+def cause(error: BaseException) -> BaseException:
+    """The exception a remote call raised, without Ray's wrapping (typed errors keep their type and message); a
+    worker that died becomes UpdateFailed."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    while isinstance(error, RayTaskError) and error.cause is not None:
+        error = error.cause
+    if isinstance(error, RayActorError):
+        return UpdateFailed(f"a worker died during the update ({type(error).__name__}); nothing changed")
+    return error
+
+
+def get(ref, timeout: float | None = None):
+    """ray.get that raises what the remote call raised (see `cause`)."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except Exception as e:
+        raise cause(e) from None

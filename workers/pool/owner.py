@@ -17,23 +17,13 @@ import logging
 import uuid
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
 
-from ..errors import BadWeights, UpdateFailed, WeightsUnavailable
+from ..errors import BadWeights, WeightsUnavailable, cause
 from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "ppo_logprobs"
-
-
-def cause(error: BaseException) -> BaseException:
-    """The exception a remote call raised, without Ray's wrapping (typed errors keep their type and message)."""
-    while isinstance(error, RayTaskError) and error.cause is not None:
-        error = error.cause
-    if isinstance(error, RayActorError):
-        return UpdateFailed(f"a worker died during the update ({type(error).__name__}); nothing changed")
-    return error
 
 
 class WeightOwner:

@@ -16,9 +16,8 @@ from collections.abc import Iterable, Mapping
 import ray
 import torch
 
-from ..errors import UpdateFailed
+from ..errors import UpdateFailed, get
 from ..weights.transfer import BUCKET_BYTES, GroupSpec, broadcast_tensors, open_group, serve_store
-from .owner import cause
 
 
 class WeightSender:
@@ -45,7 +44,7 @@ class WeightSender:
             torch.cuda.set_device(self.device)
         self.group = open_group(self.spec, 0, store)
         self._store = store
-        _get(joined)
+        get(joined)
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Streams these tensors into every worker and returns the new weights_version once all have them; raises
@@ -55,34 +54,27 @@ class WeightSender:
         tensors = named if isinstance(named, Mapping) else dict(named)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         try:
-            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
+            version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
             self.close()
             self._open()
-            version, layout = _get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
+            version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         try:
             broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
         except Exception:
             self.close()  # the receivers' broadcasts fail with the group, and the owner aborts the update
-            _get(self.owner.finish_stream.remote(version))
+            get(self.owner.finish_stream.remote(version))
             raise
-        return _get(self.owner.finish_stream.remote(version))
+        return get(self.owner.finish_stream.remote(version))
 
     def close(self) -> None:
         if self.group is not None:
             self.group = None
             self._store = None
-            _get(self.owner.close_group.remote(self.spec.name))
+            get(self.owner.close_group.remote(self.spec.name))
 
     def __enter__(self) -> WeightSender:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _get(ref):
-    try:
-        return ray.get(ref)
-    except Exception as e:
-        raise cause(e) from None

@@ -20,19 +20,15 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..errors import WeightsUnavailable
+from ..errors import WeightsChanged, WeightsUnavailable, get
 from .log_prob_worker import LogProbWorker, SequenceScores, validate_request
-from .owner import WeightOwner, cause
+from .owner import WeightOwner
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "ppo_logprobs"
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
-
-
-class WeightsChanged(RuntimeError):
-    """The weights changed under a call more often than it re-asked; transient."""
 
 
 def _actor_name(pool: str, index: int) -> str:
@@ -109,10 +105,7 @@ def _score_on_pool(owner, workers, input_ids, starts, temps, return_entropy) -> 
         except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
             if attempt >= _ATTEMPTS:
                 raise
-            try:
-                ray.get(owner.restore.remote(w))
-            except Exception as e:
-                raise cause(e) from None
+            get(owner.restore.remote(w))
             submit(share, w, attempt + 1)
             continue
         for i, s in zip(share, scores, strict=True):
@@ -255,10 +248,7 @@ class WorkerPool:
         if isinstance(weights, ray.ObjectRef):
             weights = ray.get(weights)
         if isinstance(weights, str):
-            try:
-                return ray.get(self.owner.update_from_path.remote(weights))
-            except Exception as e:
-                raise cause(e) from None
+            return get(self.owner.update_from_path.remote(weights))
         with self.weight_sender(device=_device_of(weights.values())) as sender:
             return sender.send(weights)
 

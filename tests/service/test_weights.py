@@ -1,0 +1,167 @@
+"""Reloads through HTTP and trainer updates beside them: refusals change nothing, versions are unique and every
+answer's results are those of its version's weights."""
+
+import asyncio
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ppo_logprobs.client import connect_pool
+from ppo_logprobs.service import Settings
+from ppo_logprobs.workers import load_model, patch_model
+from ppo_logprobs.workers.models.load_model import TINY_CONFIG
+
+from ..helpers import alone, random_sequences, serving
+
+SEQS = random_sequences(4, seed=60, hi=70)
+
+
+def perturbed(seed, **config):
+    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, **config})) if config else load_model("tiny")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def save(model, path):
+    patched = model.__dict__.pop("forward", None)
+    model.save_pretrained(path)
+    if patched is not None:
+        model.forward = patched
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    good = {save(perturbed(70 + i), root / f"step-{i}"): None for i in range(4)}
+    for path in good:
+        good[path] = load_model(path, backend="torch")
+    return good, root
+
+
+@pytest.fixture(scope="module")
+def server():
+    settings = Settings(models={"policy": "tiny"}, backend="torch", workers_per_model=2, pool_name="weights-test")
+    with serving(3, {"weights": settings}) as url:
+        yield url
+
+
+def score(url):
+    r = httpx.post(url + "/logprobs", json={"input_ids": SEQS}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def matches(body, model):
+    for res, seq in zip(body["results"], SEQS, strict=True):
+        lp, ent = alone(model, seq)
+        if not (np.allclose(res["log_probs"], lp, rtol=0, atol=1e-5) and np.allclose(res["entropy"], ent, atol=1e-5)):
+            return False
+    return True
+
+
+def refusals(root):
+    shard = next((root / "step-0").glob("*.safetensors")).read_bytes()
+    (root / "truncated").mkdir(exist_ok=True)
+    (root / "truncated" / "model.safetensors").write_bytes(shard[:-100])
+    (root / "garbage").mkdir(exist_ok=True)
+    (root / "garbage" / "model.safetensors").write_bytes(b"\x00" * 64)
+    (root / "empty").mkdir(exist_ok=True)
+    return [
+        (save(perturbed(80, vocab_size=600), root / "vocab"), 409, "has shape [600, 64] in the checkpoint"),
+        (save(perturbed(81, num_hidden_layers=3), root / "layers"), 409, "the checkpoint has 3 layers, the model 2"),
+        (save(perturbed(82, intermediate_size=96), root / "mlp"), 409, "has shape [64, 96] in the checkpoint and [64, 128] in the model"),
+        (str(root / "no-such-dir"), 404, "no checkpoint directory at"),
+        ("/etc/passwd", 404, "no checkpoint directory at '/etc/passwd'"),
+        ("Qwen/Qwen2.5-7B", 404, "no checkpoint directory at 'Qwen/Qwen2.5-7B'"),
+        ("/tmp/a\x00b", 404, "no checkpoint directory"),
+        (str(root / "truncated"), 422, "is truncated"),
+        (str(root / "garbage"), 422, "has a malformed safetensors header"),
+        (str(root / "empty"), 422, "has no *.safetensors weights"),
+    ]
+
+
+def test_refused_reloads_change_nothing(server, checkpoints):
+    _, root = checkpoints
+    before = score(server)
+    for path, status, message in refusals(root):
+        r = httpx.post(server + "/v1/models/policy/reload", json={"path": path}, timeout=120)
+        assert r.status_code == status, (path, r.text)
+        detail = r.json()["detail"]
+        assert message in detail and "Traceback" not in detail and "\n" not in detail, detail
+        after = score(server)
+        assert after == before  # the same version, the same bits
+    assert before["weights_version"] == 0 and matches(before, load_model("tiny", backend="torch"))
+
+
+def test_concurrent_reloads_and_scoring(server, checkpoints):
+    models, _ = checkpoints
+    paths = list(models) * 2  # 8 reloads of 4 checkpoints
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server, timeout=300) as client:
+            reloads = [client.post("/v1/models/policy/reload", json={"path": p}) for p in paths]
+            scoring = [client.post("/logprobs", json={"input_ids": SEQS}) for _ in range(16)]
+            answers = await asyncio.gather(*reloads, *scoring)
+            return answers[: len(paths)], answers[len(paths) :]
+
+    reloads, scores = asyncio.run(run())
+    assert all(r.status_code == 200 for r in reloads), [r.text for r in reloads]
+    landed = {r.json()["weights_version"]: p for r, p in zip(reloads, paths, strict=True)}
+    assert len(landed) == 8  # distinct versions
+    start = min(landed)
+    assert sorted(landed) == list(range(start, start + 8))
+    landed[start - 1] = None  # before the first of these reloads (any earlier weights: checked only if seen)
+    for r in scores:
+        assert r.status_code == 200, r.text
+        version = r.json()["weights_version"]
+        if landed.get(version) is not None:
+            assert matches(r.json(), models[landed[version]]), version
+    final = score(server)
+    assert final["weights_version"] == start + 7 and matches(final, models[landed[start + 7]])
+
+
+def test_a_trainer_updating_beside_gateway_reloads(server, checkpoints):
+    models, _ = checkpoints
+    pool = connect_pool("policy", service="weights-test")  # the trainer's handle on the service's pool
+    trainer_models = [patch_model(perturbed(90 + i), backend="torch") for i in range(3)]
+    landed, errors = [], []
+
+    def trainer():
+        try:
+            with pool.weight_sender() as sender:
+                for m in trainer_models:
+                    landed.append(("trainer", sender.send(m.named_parameters()), m))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    def gateway():
+        for path in list(models)[:3]:
+            r = httpx.post(server + "/v1/models/policy/reload", json={"path": path}, timeout=300)
+            if r.status_code != 200:
+                errors.append(r.text)
+                return
+            landed.append(("reload", r.json()["weights_version"], models[path]))
+
+    threads = [threading.Thread(target=trainer), threading.Thread(target=gateway)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    versions = [v for _, v, _ in landed]
+    assert len(set(versions)) == 6
+    for who in ("trainer", "reload"):
+        mine = [v for w, v, _ in landed if w == who]
+        assert mine == sorted(mine)
+    last = max(landed, key=lambda x: x[1])
+    body = score(server)
+    assert body["weights_version"] == last[1] == pool.weights_version
+    assert matches(body, last[2])
