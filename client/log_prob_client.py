@@ -1,6 +1,7 @@
 """HTTP clients of the gateway (sync and async), and connect_pool for trainers on the same Ray cluster.
 
-Both clients split a batch under the server's per-request token limit and join the results in order. Scoring
+Both clients split a batch under the server's per-request token limit and join the results in order, all of one
+weights version (parts answered with older weights than another part are asked again). Scoring
 and reads are retried on transport errors (a dropped connection, a timeout) and on 429 and 503 answers, after
 their Retry-After or an exponential backoff, with random jitter so that many clients do not retry in step; a
 reload (not idempotent), a 4xx and a 500 are never retried. Anything that is not retried raises LogProbError
@@ -21,6 +22,7 @@ import numpy as np
 from ppo_logprobs.service.schemas import ModelInfo
 
 RETRY_STATUSES = (429, 503)
+_VERSION_ATTEMPTS = 3  # re-asks of the parts of a split call that came back with older weights
 
 
 class LogProbError(RuntimeError):
@@ -72,6 +74,18 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit) ->
             body["model"] = model
         bodies.append(body)
     return bodies
+
+
+def _stale_parts(answers: list[dict]) -> list[int]:
+    """The parts of a split call answered with older weights than the newest part (a reload landed between)."""
+    newest = max(a["weights_version"] for a in answers)
+    return [i for i, a in enumerate(answers) if a["weights_version"] != newest]
+
+
+def _mixed_versions(answers: list[dict]) -> LogProbError:
+    versions = sorted({a["weights_version"] for a in answers})
+    return LogProbError(503, f"the weights changed while the parts of this call were scored (versions {versions}), "
+                             f"{_VERSION_ATTEMPTS} times; retry")
 
 
 def _results(responses: list[dict]) -> list[SequenceLogProbs]:
@@ -155,11 +169,18 @@ class LogProbClient(_Base):
     def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
               temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
               return_entropy: bool = True) -> list[SequenceLogProbs]:
-        """One SequenceLogProbs per sequence, in order (split into several requests when needed)."""
+        """One SequenceLogProbs per sequence, in order (split into several requests when needed), all computed with
+        one weights_version: parts answered with older weights than another part are asked again."""
         if model not in self._limits:
             self._limits[model] = self._limit_from(self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
-        return _results([self._call("POST", "/logprobs", b) for b in bodies])
+        answers = [self._call("POST", "/logprobs", b) for b in bodies]
+        for _ in range(_VERSION_ATTEMPTS):
+            for i in _stale_parts(answers):
+                answers[i] = self._call("POST", "/logprobs", bodies[i])
+        if _stale_parts(answers):
+            raise _mixed_versions(answers)
+        return _results(answers)
 
     def reload(self, model: str, path: str) -> ModelInfo:
         """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info."""
@@ -218,7 +239,15 @@ class AsyncLogProbClient(_Base):
         if model not in self._limits:
             self._limits[model] = self._limit_from(await self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
-        return _results(list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies))))
+        answers = list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies)))
+        for _ in range(_VERSION_ATTEMPTS):
+            stale = _stale_parts(answers)
+            again = await asyncio.gather(*(self._call("POST", "/logprobs", bodies[i]) for i in stale))
+            for i, answer in zip(stale, again, strict=True):
+                answers[i] = answer
+        if _stale_parts(answers):
+            raise _mixed_versions(answers)
+        return _results(answers)
 
     async def reload(self, model: str, path: str) -> ModelInfo:
         return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", {"path": path}, retry=False)))

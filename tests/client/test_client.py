@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from ppo_logprobs.client import AsyncLogProbClient, LogProbClient, LogProbError, connect_pool
 from ppo_logprobs.client.log_prob_client import _chunks
@@ -29,8 +30,23 @@ CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 def url():
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
     guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y")
-    with serving(3, {"client": settings, "guarded": guarded}) as url:
+    reloadable = Settings(models={"policy": "tiny"}, backend="torch")
+    with serving(3, {"client": settings, "guarded": guarded, "reloadable": reloadable}) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Other weights for the tiny model, saved, and the model loaded from them."""
+    model = load_model("tiny")
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    path = str(tmp_path_factory.mktemp("client-ckpt"))
+    del model.forward  # saved as the plain class
+    model.save_pretrained(path)
+    return path, load_model(path, backend="torch")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +116,7 @@ class _Scripted(BaseHTTPRequestHandler):
     target: httpx.Client
     script: list = []
     posts: list = []
+    after_first_forward = None  # called once the first forwarded POST has its answer
 
     def do_GET(self):
         self._answer(self.target.get(self.path))
@@ -114,7 +131,10 @@ class _Scripted(BaseHTTPRequestHandler):
                 return
             self._answer(httpx.Response(step, json={"detail": f"scripted {step}"}, headers={"Retry-After": "1"}))
             return
-        self._answer(self.target.post(self.path, content=body, headers={"Content-Type": "application/json"}))
+        response = self.target.post(self.path, content=body, headers={"Content-Type": "application/json"})
+        if len(self.posts) == len(self.script) + 1 and type(self).after_first_forward is not None:
+            type(self).after_first_forward()
+        self._answer(response)
 
     def _answer(self, response):
         self.send_response(response.status_code)
@@ -134,9 +154,10 @@ def proxy(url):
     """Yields a function that starts the scripted proxy with a script and returns its URL."""
     servers = []
 
-    def start(script):
+    def start(script, after_first_forward=None):
         _Scripted.target = httpx.Client(base_url=url, timeout=120)
         _Scripted.script, _Scripted.posts = script, []
+        _Scripted.after_first_forward = after_first_forward
         server = ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
@@ -174,6 +195,21 @@ def test_retries_a_dropped_connection(proxy, tiny):
     results, retries = asyncio.run(run())
     assert retries == 2 and len(_Scripted.posts) == 3
     assert_equal_to_model(results, seqs, tiny)
+
+
+def test_parts_answered_with_older_weights_are_asked_again(url, proxy, checkpoint):
+    path, model = checkpoint
+    seqs = random_sequences(9, seed=37, lo=40, hi=60)  # three parts of at most 150 tokens
+
+    def reload():  # lands between the first part and the second
+        r = httpx.post(url + "/reloadable/v1/models/policy/reload", json={"path": path}, timeout=120)
+        assert r.status_code == 200, r.text
+
+    with LogProbClient(proxy([], after_first_forward=reload) + "/reloadable", max_request_tokens=150) as client:
+        results = client.score(seqs)
+    assert {r.weights_version for r in results} == {1}
+    assert_equal_to_model(results, seqs, model)
+    assert len(_Scripted.posts) == len(_chunks(seqs, 150)) + 1  # the first part, asked again
 
 
 @pytest.mark.parametrize("script, status", [(["drop"], 0), ([503], 503), ([429], 429)])

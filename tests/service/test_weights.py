@@ -77,7 +77,8 @@ def refusals(root):
     return [
         (save(perturbed(80, vocab_size=600), root / "vocab"), 409, "has shape [600, 64] in the checkpoint"),
         (save(perturbed(81, num_hidden_layers=3), root / "layers"), 409, "the checkpoint has 3 layers, the model 2"),
-        (save(perturbed(82, intermediate_size=96), root / "mlp"), 409, "has shape [64, 96] in the checkpoint and [64, 128] in the model"),
+        (save(perturbed(82, intermediate_size=96), root / "mlp"), 409,
+         "has shape [64, 96] in the checkpoint and [64, 128] in the model"),
         (str(root / "no-such-dir"), 404, "no checkpoint directory at"),
         ("/etc/passwd", 404, "no checkpoint directory at '/etc/passwd'"),
         ("Qwen/Qwen2.5-7B", 404, "no checkpoint directory at 'Qwen/Qwen2.5-7B'"),
