@@ -19,6 +19,7 @@ import torch
 
 from ..errors import WeightsUnavailable
 from ..models import load_model
+from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
@@ -98,17 +99,34 @@ def bucket_length(tokens: int, limit: int) -> int:
     return min(size, max(limit, tokens))
 
 
+def restored(restore: dict, **load_options) -> tuple[torch.nn.Module, int | None]:
+    """A restarted worker's model and weights version: from its pool's current checkpoint while that exists; else
+    built from the model's config and read from the local copy; else without weights (version None) until its
+    owner streams them from a live peer."""
+    path, keep, version = restore.get("path"), restore.get("keep"), restore["version"]
+    if path == "tiny" or (path and os.path.isdir(path)):
+        try:
+            return load_model(path, **load_options), version
+        except OSError:  # deleted meanwhile
+            log.warning("checkpoint %s is gone", path)
+    model = load_model("", config=restore["config"], **load_options)
+    if keep and os.path.isdir(keep):
+        read_checkpoint(model, keep).commit(model)
+        return model, version
+    return model, None
+
+
 class LogProbWorker(WeightsHolder):
     """Holds a patched causal LM (see `load_model`) and scores token sequences with it.
 
-    `restore`: where to take the weights instead of `model`, for an actor that Ray restarted (see WeightOwner):
-    {"path": checkpoint, "version": v} loads that checkpoint; {"config": dict, "version": v} builds the model
-    without weights (weights_version None) until its owner streams them from a live peer.
+    `restore`: for an actor that Ray restarted, where its pool's current weights are instead of `model` (see
+    WeightOwner.restore_spec and `restored`). `keep_dir`: keep a local copy of the weights served there (see
+    weights/keep.py).
     """
 
     def __init__(
         self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, row_buckets: bool | None = None,
-        restore: dict | None = None, **load_options,
+        restore: dict | None = None, keep_dir: str | None = None, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
@@ -116,13 +134,9 @@ class LogProbWorker(WeightsHolder):
         self.weights_version: int | None = 0
         if restore is None:
             self.model = load_model(model, device=self.device, **load_options)
-        elif "path" in restore:
-            self.model = load_model(restore["path"], device=self.device, **load_options)
-            self.weights_version = restore["version"]
         else:
-            self.model = load_model(model, device=self.device, config=restore["config"], **load_options)
-            self.weights_version = None
-        self._init_weights()
+            self.model, self.weights_version = restored(restore, device=self.device, **load_options)
+        self._init_weights(keep_dir)
         self.max_tokens_per_batch = max_tokens_per_batch
         # On CUDA, packed rows run compiled flex_attention, compiled once per row length: rows are padded up
         # to a few bucket lengths so that the kernels compile a handful of times, not once per request.

@@ -57,7 +57,13 @@ class WeightOwner:
 
     def restore_spec(self) -> dict:
         """For a restarted worker's constructor: where the current weights are."""
-        return {"version": self.version, "path": self.source.get("path"), "config": self.config}
+        return {"version": self.version, "config": self.config, **self.source}
+
+    def kept(self, version: int, path: str) -> None:
+        """A worker's local copy of `version` is whole (pools of one worker keep one)."""
+        if version == self.version:
+            self.source = {**self.source, "keep": path}
+            self._save()
 
     def _next_version(self) -> int:
         self.last += 1
@@ -137,8 +143,8 @@ class WeightOwner:
             try:
                 if peers:
                     await self._stream_from_peer(peers[0], worker, info["device"], version)
-                elif "path" in self.source:
-                    await worker.stage_checkpoint.remote(self.source["path"], version)
+                elif "path" in self.source or "keep" in self.source:
+                    await self._stage_from_disk(worker, version)
                 else:
                     raise WeightsUnavailable(
                         f"a restarted worker needs weights version {version}, which were streamed, and no live worker "
@@ -149,6 +155,15 @@ class WeightOwner:
             except Exception as e:
                 raise WeightsUnavailable(f"restoring a restarted worker failed: {cause(e)}") from None
             return await worker.commit.remote(version)
+
+    async def _stage_from_disk(self, worker, version: int) -> None:
+        """The current checkpoint, or the worker's local copy when the checkpoint is gone."""
+        try:
+            await worker.stage_checkpoint.remote(self.source.get("path") or self.source["keep"], version)
+        except Exception:
+            if "keep" not in self.source or "path" not in self.source:
+                raise
+            await worker.stage_checkpoint.remote(self.source["keep"], version)
 
     async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:
         name = f"restore-{uuid.uuid4().hex[:12]}"

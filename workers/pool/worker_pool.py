@@ -42,20 +42,13 @@ class _PooledWorker(LogProbWorker):
 
     def __init__(self, *args, placement=None, owner=None, **kwargs) -> None:
         restore = None
-        if owner is not None and ray.get_runtime_context().was_current_actor_reconstructed:
+        if ray.get_runtime_context().was_current_actor_reconstructed:
             restore = ray.get(owner.restore_spec.remote())
-            if restore["path"] is not None and restore["path"] != "tiny":
-                try:
-                    super().__init__(*args, restore=restore, **kwargs)
-                    self.placement = placement
-                    return
-                except OSError:  # the checkpoint was deleted since: the owner streams the weights from a peer
-                    log.warning("checkpoint %s is gone; waiting for the weights from a peer", restore["path"])
-            restore = {k: v for k, v in restore.items() if k != "path"}
-            if restore["version"] == 0:
-                restore = None  # the initial weights: built as at the start
         super().__init__(*args, restore=restore, **kwargs)
-        self.placement = placement
+        self.placement, self.owner = placement, owner
+
+    def _kept(self, version: int, path: str) -> None:
+        self.owner.kept.remote(version, path)
 
     def placement_group(self):
         return self.placement
@@ -148,12 +141,15 @@ class WorkerPool:
         max_restarts: int = 3,
         ready_timeout_s: float = 300.0,
         resources: dict[str, float] | None = None,
+        local_copy: bool | None = None,
         **load_options,
     ) -> WorkerPool:
         """Starts num_workers actors in one placement group, and their WeightOwner. num_gpus_per_worker defaults to
         1 when the cluster has GPUs and 0 (CPU actors) when it has none; `resources` adds custom Ray resources per
         worker (to pin the workers to node types that have them). With a name, actors and placement group are named
-        and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`."""
+        and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`.
+        `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the served weights
+        on the worker's node so that a restarted worker gets them back whatever their source (weights/keep.py)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
@@ -170,6 +166,9 @@ class WorkerPool:
                 f"the cluster has {ray.available_resources()} free"
             ) from None
         key = f"weights:{name or uuid.uuid4().hex}"
+        if local_copy is None:
+            local_copy = num_workers == 1
+        keep_dir = f"ppo_logprobs-{key.replace(':', '-')}" if local_copy else None
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
@@ -186,7 +185,7 @@ class WorkerPool:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i),
                     **(dict(name=_actor_name(name, i), **detached) if name else {}),
                 ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner,
-                         **load_options)
+                         keep_dir=keep_dir, **load_options)
             )
         infos = ray.get([w.info.remote() for w in workers])
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote())))
@@ -273,7 +272,8 @@ class WorkerPool:
         return out
 
     def shutdown(self) -> None:
-        """Kills the actors and the owner (no restart) and frees their placement group."""
+        """Kills the actors and the owner (no restart), frees their placement group and local copies."""
+        ray.wait([w.remove_local_copy.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
         for w in self.workers:
             ray.kill(w, no_restart=True)
         try:

@@ -3,11 +3,14 @@ committed or aborted on the pool owner's word; a worker can also stream its own 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
 from ..errors import UpdateFailed
 from .checkpoint import read_checkpoint
+from .keep import LocalCopy
 from .staging import Layout, StagedWeights, match_model
 from .transfer import GroupSpec, broadcast_tensors, open_group, receive_tensors, serve_store
 
@@ -18,10 +21,14 @@ class WeightsHolder:
     model: nn.Module
     weights_version: int | None
 
-    def _init_weights(self) -> None:
-        self._staged: tuple[int, StagedWeights] | None = None
+    def _init_weights(self, keep_dir: str | None = None) -> None:
+        self._staged: tuple[int, StagedWeights, str | None] | None = None  # (version, weights, checkpoint path)
         self._groups: dict = {}  # group name -> (GroupSpec, process group), this worker a receiver
         self._stores: dict = {}  # group name -> the store this worker serves as a sender
+        self._copy = LocalCopy(keep_dir, self._kept) if keep_dir else None
+
+    def _kept(self, version: int, path: str) -> None:
+        """Called once a local copy of `version` is whole (LogProbWorker's pool tells its owner)."""
 
     @property
     def _device(self) -> torch.device:
@@ -40,7 +47,7 @@ class WeightsHolder:
         return match_model(self.model, shapes, full=True, what="the update")
 
     def stage_checkpoint(self, path: str, version: int) -> None:
-        self._staged = (version, read_checkpoint(self.model, path))
+        self._staged = (version, read_checkpoint(self.model, path), path)
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """An in-process update (a plain worker, tests): the given tensors, checked, copied to staging."""
@@ -48,7 +55,7 @@ class WeightsHolder:
         staged = StagedWeights(layout, self._device)
         for entry in layout.entries:
             staged.tensor(entry).copy_(tensors[entry.name])
-        self._staged = (version, staged)
+        self._staged = (version, staged, None)
 
     def join_group(self, spec: GroupSpec, rank: int) -> None:
         self._groups[spec.name] = (spec, open_group(spec, rank))
@@ -65,17 +72,25 @@ class WeightsHolder:
         except Exception as e:
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
-        self._staged = (version, staged)
+        self._staged = (version, staged, None)
 
     def commit(self, version: int) -> int:
         if self._staged is None or self._staged[0] != version:
             raise UpdateFailed(f"no staged weights of version {version} to commit")
-        self._staged[1].commit(self.model)
+        _, staged, path = self._staged
+        with self._copy.lock if self._copy else nullcontext():  # the last local copy has left device memory
+            staged.commit(self.model)
         self._staged = None
         self.weights_version = version
         if self._device.type == "cuda":
             torch.cuda.empty_cache()  # the staging buffer
+        if self._copy is not None:
+            self._copy.keep(version, self.model, path)
         return version
+
+    def remove_local_copy(self) -> None:
+        if self._copy is not None:
+            self._copy.remove()
 
     def abort(self, version: int) -> None:
         if self._staged is not None and self._staged[0] == version:

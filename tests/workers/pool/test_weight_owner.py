@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,12 @@ import ray
 import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
-from ppo_logprobs.workers.errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
+from ppo_logprobs.workers.errors import (
+    CheckpointNotFound,
+    IncompatibleWeights,
+    InvalidCheckpoint,
+    WeightsUnavailable,
+)
 
 from ...helpers import alone, random_sequences
 
@@ -179,3 +185,46 @@ def test_two_handles_updating_at_once_get_distinct_increasing_versions(pool, tmp
     assert versions == list(range(1, 9))
     last = max(landed)[1]
     assert_serves(other, load_model(last, backend="torch"), 8)
+
+
+def kept(pool):
+    """The local copy's path once the owner has heard it is whole (written in the background)."""
+    deadline = time.monotonic() + 120
+    while (keep := ray.get(pool.owner.state.remote())["source"].get("keep")) is None:
+        assert time.monotonic() < deadline, "no local copy was kept"
+        time.sleep(0.1)
+    return keep
+
+
+def test_one_worker_comes_back_from_its_local_copy(cluster, tmp_path):
+    pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch")
+    try:
+        path = save(perturbed(11), tmp_path / "step-1")
+        model = load_model(path, backend="torch")
+        version = pool.update_weights(path)
+        kept(pool)
+        shutil.rmtree(path)  # rotated away: no checkpoint, no peer
+        ray.kill(pool.workers[0], no_restart=False)
+        assert_serves(pool, model, version)
+
+        streamed = perturbed(12)
+        version = pool.update_weights(dict(streamed.named_parameters()))
+        assert kept(pool).endswith(f"v{version}")
+        ray.kill(pool.workers[0], no_restart=False)
+        assert_serves(pool, streamed, version)
+    finally:
+        pool.shutdown()
+
+
+def test_one_worker_without_a_copy_says_what_is_lost(cluster):
+    pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch", local_copy=False)
+    try:
+        streamed = perturbed(13)
+        version = pool.update_weights(dict(streamed.named_parameters()))
+        ray.kill(pool.workers[0], no_restart=False)
+        with pytest.raises(WeightsUnavailable, match=f"needs weights version {version}, which were streamed"):
+            pool.compute_log_probs(SEQS)
+        again = pool.update_weights(dict(streamed.named_parameters()))  # the trainer sends them again
+        assert_serves(pool, streamed, again)
+    finally:
+        pool.shutdown()
