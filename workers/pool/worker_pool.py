@@ -256,9 +256,10 @@ class WorkerPool:
         """Opens a process group between this process (the sender) and every worker; `send(named_tensors)` then
         streams an update through it. NCCL when this process has CUDA (`device`, default the current one) and the
         workers are on CUDA, gloo otherwise. Close it (or use `with`) when done."""
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return WeightSender(self.owner, len(self.workers), torch.device(device), self.device.startswith("cuda"),
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return WeightSender(self.owner, len(self.workers), device, self.device.startswith("cuda"),
                             bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
     def health(self, timeout: float = 30.0) -> list[dict]:

@@ -45,9 +45,11 @@ def open_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> d
     store = dist.PrefixStore(spec.name, store)
     if spec.backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
-    ## NB: a timed-out broadcast (a sender that died) aborts the communicator and raises, instead of the default
-    # of tearing the whole process down; the pool then keeps the old weights.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if rank != 0:
+        ## NB: in a worker, a timed-out broadcast (a sender that died) aborts the communicator and raises, instead
+        # of the default of tearing the whole process down; the pool then keeps the old weights. A trainer's own
+        # setting is left as it is.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)

@@ -1,0 +1,151 @@
+"""Weight updates of a one-worker pool per source, beside the raw limit of each medium measured in the same run.
+
+Sources: a checkpoint directory (`pool.update_weights(path)`, page cache warm), a trainer's GPU tensors streamed
+through an open `pool.weight_sender()` (NCCL), and a CUDA state dict passed to `pool.update_weights(state_dict)`
+(a sender opened and closed per call). Raw limits: a plain torch copy of the same bytes from GPU 0 to GPU 1, an NCCL
+broadcast of the same bytes over the sender's own group, and, for the checkpoint, the page-cache read rate of its
+shards (8 threads, into pinned memory) and the pinned host-to-device copy rate, both in the worker's process.
+
+  python benchmarks/bench_pool.py --save-random /tmp/q7
+  python benchmarks/bench_weights.py --model /tmp/q7 --out weights.json     # nvidia-h200-x2
+  python benchmarks/bench_weights.py                                        # CPU dry run: tiny, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+import torch
+from bench_ppo_step import Trainer  # the same directory
+
+from ppo_logprobs.workers import WorkerPool
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def receive_raw(worker, group: str, nbytes: int, reps: int) -> None:
+    """Runs in the worker's process (`__ray_call__`): the receiving side of the raw broadcasts."""
+    spec, pg = worker._groups[group]
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if spec.backend == "nccl" else "cpu")
+    for _ in range(reps + 1):
+        pg.broadcast(buffer, 0).wait()
+    sync()
+
+
+def broadcast_raw(trainer, nbytes: int, reps: int) -> float:
+    """Runs in the trainer's process: the same bytes as one flat buffer over the sender's group."""
+    device = trainer.sender.device
+    buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    return timed(lambda: (trainer.sender.group.broadcast(buffer, 0).wait(), sync()), reps)
+
+
+def disk_and_pcie(worker, path: str, reps: int) -> dict:
+    """Runs in the worker's process: page-cache read rate of the shards and pinned host-to-device rate."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    cuda = torch.cuda.is_available()
+    chunk = 64 << 20
+    buffers = [torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda) for _ in range(8)]
+    jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, chunk)]
+
+    def read_all():
+        def read(i_job):
+            i, (f, off) = i_job
+            with open(f, "rb") as fh:
+                fh.seek(off)
+                fh.readinto(memoryview(buffers[i % 8].numpy()))
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(read, enumerate(jobs)))
+
+    nbytes = sum(f.stat().st_size for f in files)
+    out = dict(read_gib_per_s=nbytes / timed(read_all, reps) / 2**30)
+    if cuda:
+        host = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8).pin_memory()
+        device = torch.empty_like(host, device="cuda")
+        out["h2d_gib_per_s"] = 1 / timed(lambda: (device.copy_(host, non_blocking=True), sync()), reps)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    tiny = args.model == "tiny"
+    gpus = torch.cuda.device_count()
+    options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
+    path = args.model
+    if tiny:  # a checkpoint of the tiny model to read
+        from ppo_logprobs.workers import load_model
+
+        model, path = load_model("tiny"), tempfile.mkdtemp()
+        del model.forward
+        model.save_pretrained(path)
+
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    trainer = ray.remote(Trainer).options(num_gpus=1 if gpus else 0).remote(args.model, None if tiny else "bfloat16")
+    ray.get(trainer.__ray_ready__.remote())
+    pool = WorkerPool.create(path, 1, max_tokens_per_batch=4096, local_copy=False, **options)
+    worker = pool.workers[0]
+    nbytes = ray.get(trainer.connect.remote(pool, args.bucket_mib))
+    results = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(0) if gpus else "cpu",
+                   model=args.model, weight_bytes=nbytes, reps=args.reps, sources={}, raw={})
+
+    def rate(seconds: float) -> dict:
+        return dict(seconds=seconds, gib_per_s=nbytes / seconds / 2**30)
+
+    results["sources"]["checkpoint"] = rate(timed(lambda: pool.update_weights(path), args.reps))
+    sends = [ray.get(trainer.step.remote())[1] for _ in range(args.reps + 1)][1:]
+    results["sources"]["trainer_stream"] = rate(statistics.median(sends))
+    dicts = [ray.get(trainer.update_with_state_dict.remote(pool)) for _ in range(args.reps + 1)][1:]
+    results["sources"]["state_dict"] = rate(statistics.median(dicts))
+
+    group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.spec.name))
+    receiving = worker.__ray_call__.remote(receive_raw, group, nbytes, args.reps)
+    results["raw"]["broadcast"] = rate(ray.get(trainer.__ray_call__.remote(broadcast_raw, nbytes, args.reps)))
+    ray.get(receiving)
+    if gpus >= 2:
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty_like(src, device="cuda:1")
+        results["raw"]["gpu_copy"] = rate(timed(lambda: (dst.copy_(src), torch.cuda.synchronize(1)), args.reps))
+        del src, dst
+    results["raw"]["checkpoint_media"] = ray.get(worker.__ray_call__.remote(disk_and_pcie, path, args.reps))
+    ray.get(trainer.close.remote())
+    pool.shutdown()
+
+    print(json.dumps(results), flush=True)
+    print(f"{'source':<16}{'seconds':>9}{'GiB/s':>9}")
+    for name, r in {**results["sources"], **{f"raw {k}": v for k, v in results["raw"].items()
+                                             if "seconds" in v}}.items():
+        print(f"{name:<16}{r['seconds']:>9.3f}{r['gib_per_s']:>9.1f}")
+    print("checkpoint media:", results["raw"]["checkpoint_media"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

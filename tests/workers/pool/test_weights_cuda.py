@@ -1,0 +1,70 @@
+"""Weight updates into CUDA workers: checkpoints through pinned buffers, and NCCL streams from a trainer's GPU
+(two GPUs: the trainer is this process on the last GPU, the worker gets the first). Skipped without CUDA."""
+
+import pytest
+import ray
+import torch
+
+from ppo_logprobs.workers import WorkerPool, load_model
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)  # the worker takes GPU 0
+    yield
+    ray.shutdown()
+
+
+def perturbed(seed, device="cpu"):
+    model = load_model("tiny", device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device=device) * 0.05)
+    return model
+
+
+def weights_of(worker) -> dict:
+    return ray.get(worker.__ray_call__.remote(lambda w: {n: p.cpu() for n, p in w.model.named_parameters()}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_checkpoint_lands_bitwise_on_the_gpu(cluster, tmp_path, dtype):
+    source = perturbed(1)
+    del source.forward
+    source.save_pretrained(tmp_path)
+    pool = WorkerPool.create("tiny", 1, dtype=dtype, local_copy=False)
+    try:
+        assert pool.update_weights(str(tmp_path)) == 1
+        got = weights_of(pool.workers[0])
+        for name, p in source.named_parameters():
+            assert torch.equal(got[name], p.to(dtype)), name
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the trainer and the worker on two GPUs")
+def test_a_trainer_streams_over_nccl(cluster):
+    trainer_device = f"cuda:{torch.cuda.device_count() - 1}"
+    pool = WorkerPool.create("tiny", 1, dtype=torch.bfloat16, local_copy=False)
+    try:
+        model = perturbed(2, trainer_device)  # fp32 on the trainer, bf16 in the worker
+        with pool.weight_sender(device=trainer_device, bucket_bytes=64 << 10) as sender:
+            assert sender.backend == "nccl"
+            assert sender.send(model.named_parameters()) == 1
+            got = weights_of(pool.workers[0])
+            for name, p in model.named_parameters():
+                assert torch.equal(got[name], p.detach().to(torch.bfloat16).cpu()), name
+            head = torch.randn(503, 64, device=trainer_device)
+            assert sender.send({"lm_head.weight": head}) == 2
+        got2 = weights_of(pool.workers[0])
+        for name in got:
+            expected = head.to(torch.bfloat16).cpu() if name == "lm_head.weight" else got[name]
+            assert torch.equal(got2[name], expected), name
+        assert {r.weights_version for r in pool.compute_log_probs([[1, 2, 3, 4]])} == {2}
+    finally:
+        pool.shutdown()
