@@ -8,6 +8,7 @@ shards (8 threads, into pinned memory) and the pinned host-to-device copy rate, 
 
   python benchmarks/bench_pool.py --save-random /tmp/q7
   python benchmarks/bench_weights.py --model /tmp/q7 --out weights.json     # nvidia-h200-x2
+  python benchmarks/bench_weights.py --model /tmp/q7 --checkpoint-only    # one GPU: no trainer, no stream
   python benchmarks/bench_weights.py                                        # CPU dry run: tiny, gloo
 """
 
@@ -87,15 +88,31 @@ def disk_and_pcie(worker, path: str, reps: int) -> dict:
     return out
 
 
+def load_as_before(worker, path: str, reps: int) -> float:
+    """Runs in the worker's process: the previous way, a whole model built on the CPU then load_state_dict."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(worker.model.parameters()).dtype
+
+    def load():
+        state = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).state_dict()
+        worker.model.load_state_dict(state)
+        sync()
+
+    return timed(load, reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--checkpoint-only", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
+    args.checkpoint_only |= bool(gpus == 1)  # a trainer and a worker on one GPU cannot share an NCCL group
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
     path = args.model
     if tiny:  # a checkpoint of the tiny model to read
@@ -106,11 +123,13 @@ def main() -> None:
         model.save_pretrained(path)
 
     ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    trainer = ray.remote(Trainer).options(num_gpus=1 if gpus else 0).remote(args.model, None if tiny else "bfloat16")
-    ray.get(trainer.__ray_ready__.remote())
+    if not args.checkpoint_only:
+        dtype = None if tiny else "bfloat16"
+        trainer = ray.remote(Trainer).options(num_gpus=1 if gpus else 0).remote(args.model, dtype)
+        ray.get(trainer.__ray_ready__.remote())
     pool = WorkerPool.create(path, 1, max_tokens_per_batch=4096, local_copy=False, **options)
     worker = pool.workers[0]
-    nbytes = ray.get(trainer.connect.remote(pool, args.bucket_mib))
+    nbytes = ray.get(worker.__ray_call__.remote(lambda w: sum(p.nbytes for p in w.model.parameters())))
     results = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(0) if gpus else "cpu",
                    model=args.model, weight_bytes=nbytes, reps=args.reps, sources={}, raw={})
 
@@ -118,12 +137,24 @@ def main() -> None:
         return dict(seconds=seconds, gib_per_s=nbytes / seconds / 2**30)
 
     results["sources"]["checkpoint"] = rate(timed(lambda: pool.update_weights(path), args.reps))
+    results["raw"]["checkpoint_media"] = ray.get(worker.__ray_call__.remote(disk_and_pcie, path, args.reps))
+    results["before"] = dict(checkpoint=rate(ray.get(worker.__ray_call__.remote(load_as_before, path, args.reps))))
+    if not args.checkpoint_only:
+        stream(results, rate, trainer, pool, worker, nbytes, args)
+    pool.shutdown()
+    report(results, args.out)
+
+
+def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, args) -> None:
+    """The trainer's sources and the raw limits of GPU-to-GPU transfer."""
+    ray.get(trainer.connect.remote(pool, args.bucket_mib))
     sends = [ray.get(trainer.step.remote())[1] for _ in range(args.reps + 1)][1:]
     results["sources"]["trainer_stream"] = rate(statistics.median(sends))
     dicts = [ray.get(trainer.update_with_state_dict.remote(pool)) for _ in range(args.reps + 1)][1:]
     results["sources"]["state_dict"] = rate(statistics.median(dicts))
 
     group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.spec.name))
+    gpus = torch.cuda.device_count()
     receiving = worker.__ray_call__.remote(receive_raw, group, nbytes, args.reps)
     results["raw"]["broadcast"] = rate(ray.get(trainer.__ray_call__.remote(broadcast_raw, nbytes, args.reps)))
     ray.get(receiving)
@@ -132,18 +163,18 @@ def main() -> None:
         dst = torch.empty_like(src, device="cuda:1")
         results["raw"]["gpu_copy"] = rate(timed(lambda: (dst.copy_(src), torch.cuda.synchronize(1)), args.reps))
         del src, dst
-    results["raw"]["checkpoint_media"] = ray.get(worker.__ray_call__.remote(disk_and_pcie, path, args.reps))
     ray.get(trainer.close.remote())
-    pool.shutdown()
 
+
+def report(results: dict, out: str | None) -> None:
     print(json.dumps(results), flush=True)
     print(f"{'source':<16}{'seconds':>9}{'GiB/s':>9}")
     for name, r in {**results["sources"], **{f"raw {k}": v for k, v in results["raw"].items()
                                              if "seconds" in v}}.items():
         print(f"{name:<16}{r['seconds']:>9.3f}{r['gib_per_s']:>9.1f}")
     print("checkpoint media:", results["raw"]["checkpoint_media"])
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(results, f, indent=1)
 
 
