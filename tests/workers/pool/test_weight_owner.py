@@ -20,7 +20,7 @@ from ppo_logprobs.workers.errors import (
     WeightsUnavailable,
 )
 
-from ...helpers import alone, random_sequences
+from ...helpers import alone, free_port, random_sequences
 
 SEQS = random_sequences(12, seed=50, hi=80)
 
@@ -92,18 +92,28 @@ class DiesAt(dict):
             os._exit(9)
         return super().__getitem__(name)
 
+if sys.argv[3] == "fsdp":  # the trainer's own process group and FSDP2 shards beside the weight group
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[5], rank=0, world_size=1)
+    fully_shard(model)
+    print("sharded", type(model.lm_head.weight).__name__)
+
 with pool.weight_sender(bucket_bytes=int(sys.argv[4])) as sender:
     if sys.argv[3] == "full":
         print("version", sender.send(model.named_parameters()))
         print("version", sender.send({"lm_head.weight": model.lm_head.weight * 2}))
+    elif sys.argv[3] == "fsdp":
+        print("version", sender.send(model.named_parameters()))
+        dist.all_reduce(torch.ones(1))  # the trainer's own group still works
     else:
         sender.send(DiesAt(model.state_dict(), 12))
 """
 
 
 def trainer(cluster, seed, mode, bucket_bytes=1 << 20):
-    return subprocess.run([sys.executable, "-c", TRAINER, cluster, str(seed), mode, str(bucket_bytes)],
-                          capture_output=True, text=True, timeout=120)
+    args = [cluster, str(seed), mode, str(bucket_bytes), str(free_port())]
+    return subprocess.run([sys.executable, "-c", TRAINER, *args], capture_output=True, text=True, timeout=120)
 
 
 def test_a_trainer_process_streams_full_and_partial_updates(cluster, pool):
@@ -114,6 +124,13 @@ def test_a_trainer_process_streams_full_and_partial_updates(cluster, pool):
     with torch.no_grad():
         expected.lm_head.weight.mul_(2)  # the partial update: only the head changed
     assert_serves(pool, expected, 2)
+
+
+def test_a_trainer_holding_fsdp_shards_streams_them(cluster, pool):
+    done = trainer(cluster, 14, "fsdp", bucket_bytes=50_000)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sharded DTensor" in done.stdout and "version 1" in done.stdout
+    assert_serves(pool, perturbed(14), 1)
 
 
 def test_a_trainer_killed_mid_stream_changes_nothing(cluster, pool, tmp_path):
