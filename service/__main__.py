@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
+import sys
 import threading
 
 from .config import Settings
@@ -14,26 +14,8 @@ log = logging.getLogger("ppo_logprobs.service")
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
-    parser = argparse.ArgumentParser(
-        prog="ppo-logprobs serve", description="ppo-logprobs gateway (flags override PPO_LOGPROBS_* variables)"
-    )
-    parser.add_argument("--model", action="append", metavar="NAME=PATH",
-                        help='a served model, "tiny" or a local checkpoint; repeat for several (default: policy=tiny)')
-    parser.add_argument("--workers-per-model", type=int)
-    parser.add_argument("--gpus-per-worker", type=float)
-    parser.add_argument("--max-tokens-per-batch", type=int)
-    parser.add_argument("--dtype")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--api-key")
-    parser.add_argument("--pool-name", default="ppo_logprobs",
-                        help="pools are named '<pool-name>:<model>' for trainers' connect_pool (default: %(default)s)")
-    args = vars(parser.parse_args(argv))
-    models = args.pop("model")
-    flags = {k: v for k, v in args.items() if v is not None}
-    if models:
-        flags["models"] = dict(m.split("=", 1) if "=" in m else (m.rsplit("/", 1)[-1], m) for m in models)
-    return Settings(**flags)
+    """Settings from flags (generated from Settings; `--help` lists them) over PPO_LOGPROBS_* variables."""
+    return Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
 
 
 def main(argv: list[str] | None = None) -> None:

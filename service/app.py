@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .batcher import Batcher
 from .config import Settings
-from .routes import install_error_handlers, router, set_gateway
+from .errors import to_response
+from .routes import current_gateway, router, set_gateway
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,14 @@ class GatewayMetrics:
         )
 
     def observe(self, model: str, tokens: int, seconds: float) -> None:
-        self.requests.labels(status="200").inc()
         self.tokens.labels(model=model).inc(tokens)
         self.latency.labels(model=model).observe(seconds)
 
     def sample(self, models: dict[str, ServedModel]) -> None:
         for name, m in models.items():
-            self.queue.labels(model=name).set(m.batcher.queue.qsize())
-            if m.batcher.batches:
-                self.fill.labels(model=name).set(m.batcher.batched_tokens / m.batcher.batches / m.batcher.batch_tokens)
+            self.queue.labels(model=name).set(len(m.batcher.waiting))
+            if m.batcher.calls:
+                self.fill.labels(model=name).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
 
 
 class Gateway:
@@ -68,10 +69,11 @@ class Gateway:
             pool = WorkerPool.create(
                 path, settings.workers_per_model, num_gpus_per_worker=settings.gpus_per_worker,
                 max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
-                name=f"{settings.pool_name}:{name}" if settings.pool_name else None, **load,
+                name=f"{settings.pool_name}:{name}" if settings.pool_name else None,
+                max_restarts=settings.max_restarts, **load,
             )
             batcher = Batcher(
-                pool, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
+                pool.score, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
                 max_queue=settings.max_queue, max_in_flight=settings.max_batches_in_flight,
                 timeout_s=settings.request_timeout_s,
             )
@@ -104,7 +106,19 @@ def make_fastapi() -> FastAPI:
         version="0.1.0",
     )
     app.include_router(router)
-    install_error_handlers(app)
+
+    @app.exception_handler(HTTPException)
+    @app.exception_handler(RequestValidationError)
+    async def mapped(request: Request, exc: Exception):
+        return to_response(exc)  # errors FastAPI raises itself (a dependency, a body it parses)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        if (gw := current_gateway()) is not None:
+            gw.metrics.requests.labels(status=str(response.status_code)).inc()
+        return response
+
     return app
 
 

@@ -1,16 +1,27 @@
-"""Coalesces concurrent requests for one model into worker calls, with a bounded queue."""
+"""Per-model scheduling of worker calls. Concurrent requests are joined into calls of up to `batch_tokens` tokens,
+and a large request is cut into such calls, which interleave with other requests: the waiting requests are served
+in turn, a request that still has sequences left goes to the back of the line. So a request waits for about one
+call before its first part runs, however large the requests ahead of it. A full queue answers 429.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import ray
+import numpy as np
+
+from ppo_logprobs.workers.errors import WeightsChanged
+from ppo_logprobs.workers.request import ScoreRequest, ScoreResult
+
+_VERSION_ATTEMPTS = 3  # re-asks of a request's parts answered with older weights than its other parts
 
 
 class WorkersTimedOut(RuntimeError):
-    """A pool call outlived request_timeout_s."""
+    """A worker call outlived request_timeout_s."""
 
 
 class Overloaded(Exception):
@@ -21,100 +32,150 @@ class Overloaded(Exception):
         self.retry_after = retry_after
 
 
-@dataclass
-class _Item:
-    input_ids: list[list[int]]
-    score_from: list[int]
-    temperature: list[float]
-    return_entropy: bool
+@dataclass(eq=False)
+class _Waiting:
+    request: ScoreRequest
     future: asyncio.Future
-    tokens: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tokens = sum(len(s) for s in self.input_ids)
+    queued_at: int  # calls started when it was queued
+    todo: deque = field(default_factory=deque)  # (lo, hi) ranges of its sequences not yet sent
+    parts: list = field(default_factory=list)  # (lo, hi, ScoreResult) received
+    calls_waited: int | None = None  # calls started after it was queued and before its first
+    attempts: int = 1
 
 
 class Batcher:
-    """submit() queues a validated request; a background task gathers queued requests up to `batch_tokens` or
-    `wait_s`, sends them to the pool as one call, and hands each request its own slice of the results."""
+    """`await submit(request)` -> (ScoreResult of one weights version, calls waited). `score` is the pool's async
+    scoring function; at most `max_in_flight` calls run at once."""
 
-    def __init__(self, pool, *, batch_tokens: int, wait_s: float, max_queue: int, max_in_flight: int,
-                 timeout_s: float = 300.0) -> None:
-        self.pool = pool
-        self.timeout_s = timeout_s
+    def __init__(self, score: Callable[[ScoreRequest], Awaitable[ScoreResult]], *, batch_tokens: int, wait_s: float,
+                 max_queue: int, max_in_flight: int, timeout_s: float = 300.0) -> None:
+        self.score = score
         self.batch_tokens = batch_tokens
         self.wait_s = wait_s
+        self.max_queue = max_queue
         self.max_in_flight = max_in_flight
-        self.queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=max_queue)
-        self.in_flight = 0
-        self.batches = 0
+        self.timeout_s = timeout_s
+        self.waiting: deque[_Waiting] = deque()
+        self.calls = 0  # started so far
         self.batched_tokens = 0
-        self._runner: asyncio.Task | None = None
+        self.in_flight = 0
+        self._wake: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task] = set()  # the runner and the calls in flight: kept until done
 
-    async def submit(self, input_ids, score_from, temperature, return_entropy: bool):
-        if self._runner is None:
-            self._slots = asyncio.Semaphore(self.max_in_flight)
-            self._runner = asyncio.create_task(self._run())
-        item = _Item(input_ids, score_from, temperature, return_entropy, asyncio.get_running_loop().create_future())
-        try:
-            self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            raise Overloaded(retry_after=1.0) from None
+    async def submit(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
+        if self._wake is None:
+            self._wake, self._slots = asyncio.Event(), asyncio.Semaphore(self.max_in_flight)
+            self._spawn(self._run())
+        if len(self.waiting) >= self.max_queue:
+            raise Overloaded(retry_after=1.0)
+        item = _Waiting(request, asyncio.get_running_loop().create_future(), self.calls)
+        item.todo.append((0, len(request)))
+        self.waiting.append(item)
+        self._wake.set()
         return await item.future
 
-    async def _run(self) -> None:
-        carry: _Item | None = None
-        while True:
-            first = carry or await self.queue.get()
-            carry = None
-            batch, tokens = [first], first.tokens
-            deadline = time.monotonic() + self.wait_s
-            while tokens < self.batch_tokens:
-                remaining = deadline - time.monotonic()
-                try:
-                    item = self.queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(
-                        self.queue.get(), remaining
-                    )
-                except (asyncio.QueueEmpty, asyncio.TimeoutError):
-                    break
-                if tokens + item.tokens > self.batch_tokens:
-                    carry = item  # starts the next batch
-                    break
-                batch.append(item)
-                tokens += item.tokens
-            await self._slots.acquire()
-            asyncio.create_task(self._call(batch, tokens))
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _call(self, batch: list[_Item], tokens: int) -> None:
+    def queued_tokens(self) -> int:
+        return sum(int(w.request.offsets[hi] - w.request.offsets[lo]) for w in self.waiting for lo, hi in w.todo)
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            while not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            deadline = time.monotonic() + self.wait_s
+            while self.queued_tokens() < self.batch_tokens and (left := deadline - time.monotonic()) > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch = self._take()
+            if not batch:
+                self._slots.release()
+                continue
+            self.calls += 1
+            self._spawn(self._call(batch))
+
+    def _take(self) -> list[tuple[_Waiting, int, int]]:
+        """Up to batch_tokens tokens from the waiting requests in turn (at least one sequence)."""
+        batch, room = [], self.batch_tokens
+        for _ in range(len(self.waiting)):
+            if room <= 0:
+                break
+            item = self.waiting.popleft()
+            if item.future.done():  # its client went away
+                continue
+            offsets = item.request.offsets
+            while item.todo and room > 0:
+                lo, hi = item.todo[0]
+                end = int(np.searchsorted(offsets, offsets[lo] + room, side="right")) - 1
+                end = min(hi, max(end, lo + 1 if not batch else lo))
+                if end == lo:
+                    break
+                batch.append((item, lo, end))
+                room -= int(offsets[end] - offsets[lo])
+                item.todo[0] = (end, hi)
+                if end == hi:
+                    item.todo.popleft()
+            if item.calls_waited is None and any(b[0] is item for b in batch):
+                item.calls_waited = self.calls - item.queued_at
+            if item.todo:
+                self.waiting.append(item)  # to the back of the line
+        return batch
+
+    async def _call(self, batch: list[tuple[_Waiting, int, int]]) -> None:
         self.in_flight += 1
         try:
-            ids = [s for item in batch for s in item.input_ids]
-            starts = [s for item in batch for s in item.score_from]
-            temps = [t for item in batch for t in item.temperature]
-            entropy = any(item.return_entropy for item in batch)
+            joined = ScoreRequest.concat([item.request.span(lo, hi) for item, lo, hi in batch])
             try:
-                ref = self.pool.compute_log_probs_async(ids, starts, temps, entropy)
-                try:
-                    results = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
-                except asyncio.TimeoutError:
-                    ray.cancel(ref, force=True)
-                    raise WorkersTimedOut(
-                        f"the workers did not answer within {self.timeout_s:.0f} s (a node down, or overloaded)"
-                    ) from None
-            except Exception as e:  # every request of the batch gets the failure, none is left waiting
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(e)
+                result = await asyncio.wait_for(self.score(joined), self.timeout_s)
+            except asyncio.TimeoutError:
+                error: BaseException = WorkersTimedOut(
+                    f"the workers did not answer within {self.timeout_s:.0f} s (a node down, or overloaded)"
+                )
+            except Exception as e:  # every request of the call gets the failure; none is left waiting
+                error = e
+            else:
+                self.batched_tokens += int(joined.offsets[-1])
+                start = 0
+                for item, lo, hi in batch:
+                    item.parts.append((lo, hi, result.span(start, start + hi - lo)))
+                    start += hi - lo
+                    self._finish(item)
                 return
-            self.batches += 1
-            self.batched_tokens += tokens
-            start = 0
-            for item in batch:
-                n = len(item.input_ids)
-                if not item.future.done():  # a client that went away has a cancelled future
-                    item.future.set_result(results[start : start + n])
-                start += n
+            for item, _, _ in batch:
+                if not item.future.done():
+                    item.future.set_exception(error)
+                if item in self.waiting:
+                    self.waiting.remove(item)
         finally:
             self.in_flight -= 1
             self._slots.release()
+
+    def _finish(self, item: _Waiting) -> None:
+        """Completes a request whose parts are all in, all of one version; parts answered with older weights than
+        its newest part are queued again."""
+        if item.future.done() or sum(hi - lo for lo, hi, _ in item.parts) < len(item.request):
+            return
+        newest = max(r.weights_version for _, _, r in item.parts)
+        stale = [(lo, hi) for lo, hi, r in item.parts if r.weights_version != newest]
+        if not stale:
+            parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
+            item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
+                                    item.calls_waited or 0))
+            return
+        if item.attempts >= _VERSION_ATTEMPTS:
+            item.future.set_exception(WeightsChanged(f"the weights changed during the request {item.attempts} times"))
+            return
+        item.attempts += 1
+        item.parts = [p for p in item.parts if p[2].weights_version == newest]
+        item.todo.extend(stale)
+        self.waiting.append(item)
+        self._wake.set()

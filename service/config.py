@@ -1,41 +1,52 @@
-"""Gateway settings, from PPO_LOGPROBS_* environment variables or flags (see `python -m ppo_logprobs.service -h`)."""
+"""Gateway settings, from PPO_LOGPROBS_* environment variables or `ppo-logprobs serve` flags (generated from this
+class: `ppo-logprobs serve --help`). The API key comes from the environment or a file, never from a flag."""
 
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PPO_LOGPROBS_", extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="PPO_LOGPROBS_", extra="forbid", cli_prog_name="ppo-logprobs serve", cli_kebab_case=True,
+        cli_implicit_flags=True,
+    )
 
     models: dict[str, str] = Field(
-        default_factory=lambda: {"policy": "tiny"},
-        description='served name -> "tiny" or a local checkpoint directory; the first is the default',
+        {"policy": "tiny"},
+        description='served name=checkpoint directory ("tiny": the built-in model); repeat for several, the first is '
+        "the default",
     )
     workers_per_model: int = Field(1, ge=1)
     gpus_per_worker: float | None = Field(None, ge=0, description="default: 1 when the cluster has GPUs, else 0")
     worker_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources each worker needs, to pin workers to node types"
+        {}, description="custom Ray resources each worker needs, to pin workers to node types"
     )
+    max_restarts: int = Field(-1, ge=-1, description="restarts of a dead worker by Ray (-1: always)")
     max_tokens_per_batch: int = Field(16384, ge=1, description="tokens per forward in a worker (max length too)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
-    batch_tokens: int = Field(65536, ge=1, description="tokens gathered from concurrent requests into one call")
-    batch_wait_ms: float = Field(5.0, ge=0, description="how long a batch waits for more requests")
+    max_body_bytes: int | None = Field(
+        None, ge=1024, description="request body limit, checked before parsing; default: 16 bytes a token + 1 MiB"
+    )
+    batch_tokens: int = Field(65536, ge=1, description="tokens per worker call, joined from requests or cut from one")
+    batch_wait_ms: float = Field(5.0, ge=0, description="how long a call waits for more requests")
     max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429")
     max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once")
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
-    backend: str = "auto"
+    backend: str = Field("auto", description="the fused head's backend: auto, triton or torch")
     gateway_resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources of the gateway replica (e.g. to keep it on the head)"
+        {}, description="custom Ray resources of the gateway replica (e.g. to keep it on the head)"
     )
-    request_timeout_s: float = Field(300.0, gt=0, description="a pool call not answered by then fails with 503")
+    request_timeout_s: float = Field(300.0, gt=0, description="a worker call not answered by then fails with 503")
     pool_name: str | None = Field(
-        None, description="name the pools '<pool_name>:<model>' (detached) so trainers can attach with connect_pool"
+        "ppo_logprobs", description="pools are named '<pool_name>:<model>' (detached) for trainers' connect_pool"
     )
-    api_key: str | None = None
+    api_key: CliSuppress[SecretStr | None] = Field(None, description="from PPO_LOGPROBS_API_KEY; empty: no key")
+    api_key_file: Path | None = Field(None, description="a file holding the API key (instead of the environment)")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
 
@@ -43,8 +54,17 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if not self.models:
             raise ValueError("models must name at least one model")
+        if self.api_key_file is not None:
+            try:
+                self.api_key = SecretStr(self.api_key_file.read_text().strip())
+            except OSError as e:
+                raise ValueError(f"cannot read api_key_file {str(self.api_key_file)[:200]!r}: {e.strerror}") from None
+        if self.api_key is not None and not self.api_key.get_secret_value():
+            self.api_key = None  # an empty key is no key
         if self.api_key is None and not _is_loopback(self.host):
-            raise ValueError(f"an api_key is required to listen on {self.host!r} (anything but loopback)")
+            raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
+        if self.max_body_bytes is None:
+            self.max_body_bytes = 16 * self.max_request_tokens + (1 << 20)
         return self
 
 

@@ -1,4 +1,6 @@
-"""HTTP routes. Worker and validation errors become HTTP errors in `install_error_handlers`, nowhere else."""
+"""HTTP routes. A /logprobs body is size-checked before it is read, parsed and validated once into a ScoreRequest
+off the event loop, scored through the model's Batcher, and written as JSON or BINARY (see wire.py). Every
+failure becomes an answer in `errors.to_response`."""
 
 from __future__ import annotations
 
@@ -7,31 +9,18 @@ import hmac
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 
-from ppo_logprobs.workers.errors import (
-    CheckpointNotFound,
-    IncompatibleWeights,
-    InvalidCheckpoint,
-    UpdateFailed,
-    WeightsChanged,
-    WeightsUnavailable,
-    cause,
-)
-from ppo_logprobs.workers.pool.log_prob_worker import validate_request
+from ppo_logprobs.workers.errors import TooLarge
+from ppo_logprobs.workers.request import ScoreRequest
 
-from .batcher import Overloaded
-from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest, SequenceResult, Usage
+from .errors import NonFiniteResults, one_line, to_response
+from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest
+from .wire import BINARY, encode_binary, encode_json
 
 router = APIRouter()
-
-
-class TooLarge(ValueError):
-    """A sequence or request over the configured length limits (HTTP 413)."""
-
 
 ## NB: Serve pickles the FastAPI app apart from the ingress class, so the replica's Gateway cannot be put on
 # app.state from its constructor; each replica process holds exactly one, registered here when it starts.
@@ -43,18 +32,27 @@ def set_gateway(gw) -> None:
     _gateway = gw
 
 
+def current_gateway():
+    return _gateway
+
+
 def gateway():
     if _gateway is None:
         raise HTTPException(503, "the gateway is starting", headers={"Retry-After": "5"})
     return _gateway
 
 
-def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+def key_matches(authorization: str | None) -> bool:
+    """No key is set, or the request carries it ('Authorization: Bearer <key>')."""
     key = gateway().settings.api_key
     if key is None:
-        return
+        return True
     scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.get_secret_value().encode())
+
+
+def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    if not key_matches(authorization):
         raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
 
@@ -65,44 +63,58 @@ Authorized = [Depends(require_key)]
 def served(gw, name: str | None):
     name = name or next(iter(gw.models))
     if name not in gw.models:
-        raise HTTPException(404, f"model {name!r} is not served; served: {', '.join(gw.models)}")
+        raise HTTPException(404, f"model {one_line(repr(name), 200)} is not served; served: {', '.join(gw.models)}")
     return name, gw.models[name]
 
 
-@router.post("/logprobs", response_model=LogProbsResponse, response_model_exclude_none=True, dependencies=Authorized)
-async def logprobs(body: LogProbsRequest, gw: GatewayDep) -> LogProbsResponse:
-    name, model = served(gw, body.model)
-    settings = gw.settings
-    tokens = 0
-    for i, seq in enumerate(body.input_ids):
-        if len(seq) > settings.max_tokens_per_batch:
-            limit = settings.max_tokens_per_batch
-            raise TooLarge(f"input_ids[{i}] has {len(seq)} tokens; this model takes at most {limit}")
-        if len(seq) < 2:
-            raise ValueError(f"input_ids[{i}] has {len(seq)} tokens; scoring needs at least 2")
-        tokens += len(seq)
-    if tokens > settings.max_request_tokens:
-        raise TooLarge(f"the request has {tokens} tokens; the limit is {settings.max_request_tokens} per request")
-    starts, temps = validate_request(
-        body.input_ids, body.score_from, body.temperature,
-        vocab_size=model.vocab_size, max_tokens=settings.max_tokens_per_batch,
-    )
-    start = time.perf_counter()
-    scores = await model.batcher.submit(body.input_ids, starts, temps, body.return_entropy)  # one weights version
-    gw.metrics.observe(name, tokens, time.perf_counter() - start)
-    results = [
-        SequenceResult(
-            log_probs=s.log_probs.tolist(), entropy=s.entropy.tolist() if body.return_entropy else None
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `limit` bytes (before parsing it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": LogProbsRequest.model_json_schema()}}}}
+
+
+@router.post("/logprobs", dependencies=Authorized, openapi_extra=_BODY, response_model=LogProbsResponse,
+             responses={200: {"content": {BINARY: {}}, "description": "JSON, or BINARY when the Accept header asks"}})
+async def logprobs(request: Request, gw: GatewayDep) -> Response:
+    try:
+        settings = gw.settings
+        body = await read_body(request, settings.max_body_bytes)
+        parsed = await asyncio.to_thread(LogProbsRequest.model_validate_json, body)
+        name, model = served(gw, parsed.model)
+        scores = await asyncio.to_thread(
+            ScoreRequest.build, parsed.input_ids, parsed.score_from, parsed.temperature, parsed.return_entropy,
+            vocab_size=model.vocab_size, max_length=settings.max_tokens_per_batch,
+            max_tokens=settings.max_request_tokens,
         )
-        for s in scores
-    ]
-    scored = sum(len(r.log_probs) for r in results)
-    return LogProbsResponse(
-        model=name,
-        weights_version=scores[0].weights_version,
-        results=results,
-        usage=Usage(sequences=len(results), tokens=tokens, scored_tokens=scored),
-    )
+        start = time.perf_counter()
+        result, waited = await model.batcher.submit(scores)
+        if not result.all_finite():
+            raise NonFiniteResults(f"model {name} produced non-finite log-probs (weights version "
+                                   f"{result.weights_version})")
+        tokens = int(scores.offsets[-1])
+        gw.metrics.observe(name, tokens, time.perf_counter() - start)
+        header = {"model": name, "weights_version": result.weights_version,
+                  "usage": {"sequences": len(scores), "tokens": tokens, "scored_tokens": int(result.offsets[-1])}}
+        binary = BINARY in request.headers.get("accept", "")
+        encode = encode_binary if binary else encode_json
+        entropy = result.entropy if parsed.return_entropy else None
+        content = await asyncio.to_thread(encode, header, result.log_probs, entropy, result.offsets)
+        return Response(content, media_type=BINARY if binary else "application/json",
+                        headers={"X-Calls-Waited": str(waited)})
+    except Exception as e:
+        return to_response(e)
 
 
 def model_info(gw, name: str, version: int) -> ModelInfo:
@@ -119,13 +131,16 @@ async def list_models(gw: GatewayDep) -> ModelList:
 
 
 @router.post("/v1/models/{name}/reload", response_model=ModelInfo, dependencies=Authorized)
-async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo:
+async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo | JSONResponse:
     """Every worker reads the checkpoint; it lands on all of them or on none (404: no such directory, 422: not a
     usable checkpoint, 409: it does not fit the served model). Requests in flight keep the version they started
     with; concurrent reloads (and trainers' updates) are applied one after another, each with its own version."""
-    name, model = served(gw, name)
-    version = await asyncio.to_thread(model.pool.update_weights, body.path)
-    return model_info(gw, name, version)
+    try:
+        name, model = served(gw, name)
+        version = await asyncio.to_thread(model.pool.update_weights, body.path)
+        return model_info(gw, name, version)
+    except Exception as e:
+        return to_response(e)
 
 
 @router.get("/healthz")
@@ -134,77 +149,15 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(gw: GatewayDep) -> JSONResponse:
+async def readyz(gw: GatewayDep, authorization: Annotated[str | None, Header()] = None) -> JSONResponse:
+    """Ready when every worker answers; the workers' details only with the API key (or when none is set)."""
     health = await asyncio.to_thread(gw.health)
-    ready = all(w["alive"] for workers in health.values() for w in workers)
-    return JSONResponse({"ready": ready, "models": health}, status_code=200 if ready else 503)
+    ready = all(w["alive"] and w.get("weights_version") is not None for ws in health.values() for w in ws)
+    body = {"ready": ready, **({"models": health} if key_matches(authorization) else {})}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics")
 async def metrics(gw: GatewayDep) -> PlainTextResponse:
     gw.metrics.sample(gw.models)
     return PlainTextResponse(generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    def record(request: Request, status: int) -> None:
-        if _gateway is not None:
-            _gateway.metrics.requests.labels(status=str(status)).inc()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors()[:5]:
-            if err["type"] == "json_invalid":
-                parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
-                continue
-            loc = ".".join(str(x) for x in err["loc"] if x != "body")
-            value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
-            parts.append(f"{loc or 'body'}: {err['msg']}{value}")
-        record(request, 422)
-        return JSONResponse({"detail": "; ".join(parts)}, status_code=422)
-
-    @app.exception_handler(TooLarge)
-    async def too_large(request: Request, exc: TooLarge) -> JSONResponse:
-        record(request, 413)
-        return JSONResponse({"detail": str(exc)}, status_code=413)
-
-    @app.exception_handler(ValueError)
-    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
-        record(request, 422)
-        return JSONResponse({"detail": str(exc)}, status_code=422)
-
-    weight_statuses = {CheckpointNotFound: 404, InvalidCheckpoint: 422, IncompatibleWeights: 409}
-
-    @app.exception_handler(CheckpointNotFound)
-    @app.exception_handler(InvalidCheckpoint)
-    @app.exception_handler(IncompatibleWeights)
-    async def bad_weights(request: Request, exc: ValueError) -> JSONResponse:
-        status = next(code for kind, code in weight_statuses.items() if isinstance(exc, kind))
-        record(request, status)
-        return JSONResponse({"detail": str(cause(exc))}, status_code=status)
-
-    @app.exception_handler(UpdateFailed)
-    @app.exception_handler(WeightsUnavailable)
-    @app.exception_handler(WeightsChanged)
-    async def weights_in_flux(request: Request, exc: RuntimeError) -> JSONResponse:
-        record(request, 503)
-        return JSONResponse({"detail": f"{cause(exc)}; retry"}, status_code=503, headers={"Retry-After": "1"})
-
-    @app.exception_handler(Overloaded)
-    async def overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-        record(request, 429)
-        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": f"{exc.retry_after:.0f}"})
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        record(request, exc.status_code)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def worker_failure(request: Request, exc: Exception) -> JSONResponse:
-        record(request, 503)
-        return JSONResponse(
-            {"detail": f"the workers failed this request ({type(exc).__name__}: {str(exc)[:300]}); retry"},
-            status_code=503, headers={"Retry-After": "1"},
-        )

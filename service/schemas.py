@@ -14,7 +14,7 @@ class LogProbsRequest(BaseModel):
         1, description="first scored position: entry k of a result is log p(seq[s + k] | seq[:s + k])"
     )
     temperature: StrictFloat | StrictInt | list[StrictFloat | StrictInt] = Field(
-        1.0, description="divides the logits; one value or one per sequence"
+        1.0, description="divides the logits; one value or one per sequence, each in [0.01, 100]"
     )
     return_entropy: StrictBool = True
 
@@ -52,7 +52,7 @@ class ModelList(BaseModel):
 class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(..., min_length=1, description="a checkpoint directory readable by the workers")
+    path: str = Field(..., min_length=1, max_length=4096, description="a checkpoint directory readable by the workers")
 
 
 class ErrorResponse(BaseModel):

@@ -4,6 +4,14 @@ failure is: the request's (bad weights, bad input), or a transient state of the 
 from __future__ import annotations
 
 
+class RequestError(ValueError):
+    """Bad input, before any device work; the message names the field, the sequence and the value."""
+
+
+class TooLarge(RequestError):
+    """A sequence or request over the configured length limits."""
+
+
 class BadWeights(ValueError):
     """A weight source the pool cannot take; nothing was changed."""
 
@@ -29,19 +37,20 @@ class WeightsUnavailable(RuntimeError):
     """A worker has no weights to serve yet (restarted and not restored); transient."""
 
 
+class WorkerLost(RuntimeError):
+    """A worker died more often than a call re-sent its share; transient (Ray restarts it)."""
+
+
 class WeightsChanged(RuntimeError):
     """The weights changed under a call more often than it re-asked; transient."""
 
 
 def cause(error: BaseException) -> BaseException:
-    """The exception a remote call raised, without Ray's wrapping (typed errors keep their type and message); a
-    worker that died becomes UpdateFailed."""
-    from ray.exceptions import RayActorError, RayTaskError
+    """The exception a remote call raised, without Ray's wrapping (typed errors keep their type and message)."""
+    from ray.exceptions import RayTaskError
 
     while isinstance(error, RayTaskError) and error.cause is not None:
         error = error.cause
-    if isinstance(error, RayActorError):
-        return UpdateFailed(f"a worker died during the update ({type(error).__name__}); nothing changed")
     return error
 
 

@@ -29,8 +29,8 @@ CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 @pytest.fixture(scope="module")
 def url():
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
-    guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y")
-    reloadable = Settings(models={"policy": "tiny"}, backend="torch")
+    guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y", pool_name="client-guarded")
+    reloadable = Settings(models={"policy": "tiny"}, backend="torch", pool_name="client-reloadable")
     with serving(3, {"client": settings, "guarded": guarded, "reloadable": reloadable}) as url:
         yield url
 
@@ -131,7 +131,8 @@ class _Scripted(BaseHTTPRequestHandler):
                 return
             self._answer(httpx.Response(step, json={"detail": f"scripted {step}"}, headers={"Retry-After": "1"}))
             return
-        response = self.target.post(self.path, content=body, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": self.headers.get("Accept", "application/json")}
+        response = self.target.post(self.path, content=body, headers=headers)
         if len(self.posts) == len(self.script) + 1 and type(self).after_first_forward is not None:
             type(self).after_first_forward()
         self._answer(response)

@@ -1,94 +1,57 @@
 """LogProbWorker: one patched model on one device, scoring batches of token sequences.
 
-A plain class (tests build it without Ray); `WorkerPool` turns it into Ray actors. A request is packed into
-rows of at most `max_tokens_per_batch` tokens (several sequences per row, position_ids restarting at 0, no
-padding), each row is one forward, and results come back in request order. On CUDA out-of-memory a row is
-split in half and retried.
+A plain class (tests build it without Ray); `WorkerPool` turns it into Ray actors. A request (a ScoreRequest) is
+packed into rows of at most `max_tokens_per_batch` tokens (several sequences per row, position_ids restarting at
+0, no padding), each row is one forward, and results come back in request order. On CUDA out-of-memory a row is
+split in half and retried. Per-sequence work is vectorised, so many short sequences cost about what their tokens do.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import WeightsUnavailable
+from ..errors import TooLarge, WeightsUnavailable
 from ..models import load_model
+from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class SequenceScores:
-    """One sequence's result: entry k is for token seq[score_from + k] given seq[:score_from + k]."""
-
-    log_probs: np.ndarray  # float32, [len(seq) - score_from]
-    entropy: np.ndarray | None  # float32, same length; None when not asked for
-    weights_version: int
+__all__ = ["LogProbWorker", "SequenceScores", "bucket_length", "pack_rows"]
 
 
-def validate_request(
-    input_ids: Sequence[Sequence[int]],
-    score_from: int | Sequence[int],
-    temperature: float | Sequence[float],
-    *,
-    vocab_size: int,
-    max_tokens: int,
-) -> tuple[list[int], list[float]]:
-    """Checks a request before any device work; returns score_from and temperature as one value per sequence.
-
-    Raises ValueError naming the field, the sequence index and the value.
-    """
-    n = len(input_ids)
-    starts = list(score_from) if isinstance(score_from, Sequence) else [score_from] * n
-    temps = list(temperature) if isinstance(temperature, Sequence) else [temperature] * n
-    if len(starts) != n:
-        raise ValueError(f"score_from has {len(starts)} entries for {n} sequences")
-    if len(temps) != n:
-        raise ValueError(f"temperature has {len(temps)} entries for {n} sequences")
-    for i, seq in enumerate(input_ids):
-        length = len(seq)
-        if length == 0:
-            raise ValueError(f"input_ids[{i}] is empty")
-        if length > max_tokens:
-            raise ValueError(f"input_ids[{i}] has {length} tokens, over max_tokens_per_batch = {max_tokens}")
-        ids = np.asarray(seq)
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"input_ids[{i}] must hold integer token ids, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= vocab_size)
-        if bad.any():
-            k = int(np.argmax(bad))
-            raise ValueError(f"input_ids[{i}][{k}] = {int(ids[k])} is outside the vocabulary [0, {vocab_size})")
-        s = starts[i]
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 1 <= s <= length:
-            raise ValueError(f"score_from[{i}] = {s!r} must be an integer in [1, {length}] (len(input_ids[{i}]))")
-        t = temps[i]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
-            raise ValueError(f"temperature[{i}] = {t!r} must be a positive finite number")
-    return [int(s) for s in starts], [float(t) for t in temps]
-
-
-def pack_sequences(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Rows of sequence indices, each row at most max_tokens tokens (first fit, longest first)."""
-    rows: list[list[int]] = []
+def pack_rows(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Rows of sequence indices, each row at most max_tokens tokens: first fit, longest first. Sequences of one
+    length are placed together, so the work grows with the number of distinct lengths, not of sequences."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    runs = np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1)
+    rows: list[list[np.ndarray]] = []
     room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
+    for run in runs:
+        if not run.size:
+            continue
+        length, i = int(lengths[run[0]]), 0
+        for r in range(len(rows)):
+            k = min(room[r] // length, run.size - i)
+            if k > 0:
+                rows[r].append(run[i : i + k])
+                room[r] -= k * length
+                i += k
+            if i == run.size:
                 break
-        else:
-            rows.append([i])
-            room.append(max_tokens - lengths[i])
-    return rows
+        while i < run.size:
+            k = min(max(max_tokens // length, 1), run.size - i)
+            rows.append([run[i : i + k]])
+            room.append(max_tokens - k * length)
+            i += k
+    return [np.concatenate(parts) for parts in rows]
 
 
 def bucket_length(tokens: int, limit: int) -> int:
@@ -167,7 +130,6 @@ class LogProbWorker(WeightsHolder):
     def config(self) -> dict:
         return self.model.config.to_dict()
 
-    @torch.no_grad()
     def score(
         self,
         input_ids: Sequence[Sequence[int]],
@@ -175,55 +137,62 @@ class LogProbWorker(WeightsHolder):
         temperature: float | Sequence[float] = 1.0,
         return_entropy: bool = True,
     ) -> list[SequenceScores]:
-        """Scores every sequence; results in the order given."""
+        """Scores plain lists (validated here, RequestError naming the sequence); results in the order given."""
+        request = ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
+                                     vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
+        return self.score_request(request).sequences()
+
+    @torch.no_grad()
+    def score_request(self, request: ScoreRequest) -> ScoreResult:
+        """Scores a validated request (the pool's and the gateway's path)."""
         if self.weights_version is None:
             raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
-        starts, temps = validate_request(
-            input_ids, score_from, temperature,
-            vocab_size=self.model.config.vocab_size, max_tokens=self.max_tokens_per_batch,
-        )
-        seqs = [torch.as_tensor(np.asarray(s), dtype=torch.long) for s in input_ids]
-        lengths = [len(s) for s in seqs]
-        results: list[SequenceScores | None] = [None] * len(seqs)
+        lengths, scored = request.lengths, request.scored
+        offsets = np.zeros(len(request) + 1, dtype=np.int64)
+        np.cumsum(scored, out=offsets[1:])
+        log_probs = np.empty(offsets[-1], dtype=np.float32)
+        entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
         limit = self.max_tokens_per_batch
-        queue = [(row, limit) for row in pack_sequences(lengths, limit)]  # a row and the most it may be padded to
+        queue = [(row, limit) for row in pack_rows(lengths, limit)]  # a row and the most it may be padded to
         while queue:
             row, limit = queue.pop()
-            sizes = [lengths[i] for i in row]
-            size = bucket_length(sum(sizes), limit) if self.row_buckets else sum(sizes)
+            sizes = lengths[row]
+            size = bucket_length(int(sizes.sum()), limit) if self.row_buckets else int(sizes.sum())
             try:
-                self._score_row(row, size, seqs, starts, temps, return_entropy, results)
+                self._score_row(request, row, size, offsets, log_probs, entropy)
             except torch.OutOfMemoryError:
-                if size == max(sizes):  # one sequence, unpadded: nothing left to split
-                    raise
+                if size == sizes.max():  # one sequence, unpadded: nothing left to split
+                    raise TooLarge(
+                        f"a sequence of {size} tokens does not fit in a worker's memory; send shorter sequences"
+                    ) from None
                 torch.cuda.empty_cache()
                 self.stats["oom_splits"] += 1
-                half = max(max(sizes), size // 2)  # less than size, so this ends
+                half = max(int(sizes.max()), size // 2)  # less than size, so this ends
                 log.warning("out of memory on a row of %d tokens; retrying in rows of at most %d", size, half)
-                queue.extend(([row[j] for j in part], half) for part in pack_sequences(sizes, half))
-        return results  # type: ignore[return-value]
+                queue.extend((row[part], half) for part in pack_rows(sizes, half))
+        return ScoreResult(log_probs, entropy, offsets, self.weights_version)
 
-    def _score_row(self, row, size, seqs, starts, temps, return_entropy, results) -> None:
-        pad = size - sum(len(seqs[i]) for i in row)
-        # padding is a trailing sequence of its own (positions from 0), unscored and unseen by the real tokens
-        ids = torch.cat([seqs[i] for i in row] + [torch.zeros(pad, dtype=torch.long)])[None]  # [1, T]
-        positions = torch.cat([torch.arange(len(seqs[i])) for i in row] + [torch.arange(pad)])[None]
-        temperature = torch.cat([torch.full((len(seqs[i]),), temps[i]) for i in row] + [torch.ones(pad)])[None]
-        out = self._forward(ids.to(self.device), positions.to(self.device), temperature.to(self.device))
-        log_probs = out.log_probs[0].cpu().numpy()
-        entropy = out.entropy[0].cpu().numpy() if return_entropy else None
+    def _score_row(self, request: ScoreRequest, row: np.ndarray, size: int, offsets: np.ndarray,
+                   log_probs: np.ndarray, entropy: np.ndarray | None) -> None:
+        lengths, starts = request.lengths[row], request.score_from[row]
+        real = int(lengths.sum())  # padding up to size is a trailing sequence of its own, unscored and unseen
+        begin = np.cumsum(lengths) - lengths  # where each sequence starts in the row
+        ids = np.zeros(size, dtype=np.int64)
+        ids[:real] = request.tokens[ragged_index(request.offsets[row], lengths)]
+        positions = np.arange(size, dtype=np.int64)
+        positions[:real] -= np.repeat(begin, lengths)
+        positions[real:] -= real
+        temperature = np.ones(size, dtype=np.float32)
+        temperature[:real] = np.repeat(request.temperature[row], lengths)
+        out = self._forward(*(torch.from_numpy(a)[None].to(self.device) for a in (ids, positions, temperature)))
+        # entry k of sequence i scores token begin + s + k, predicted at position begin + s + k - 1
+        src = ragged_index(begin + starts - 1, lengths - starts)
+        dst = ragged_index(offsets[:-1][row], lengths - starts)
+        log_probs[dst] = out.log_probs[0].cpu().numpy()[src]
+        if entropy is not None:
+            entropy[dst] = out.entropy[0].cpu().numpy()[src]
         self.stats["rows"] += 1
-        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], ids.shape[1])
-        offset = 0
-        for i in row:
-            # entry k scores token offset + s + k, predicted at position offset + s + k - 1
-            span = slice(offset + starts[i] - 1, offset + len(seqs[i]) - 1)
-            results[i] = SequenceScores(
-                log_probs=log_probs[span].copy(),
-                entropy=entropy[span].copy() if entropy is not None else None,
-                weights_version=self.weights_version,
-            )
-            offset += len(seqs[i])
+        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], size)
 
     def _forward(self, input_ids, position_ids, temperature):
         return self.model(input_ids=input_ids, position_ids=position_ids, temperature=temperature)

@@ -17,13 +17,21 @@ import logging
 import uuid
 
 import ray
+from ray.exceptions import RayActorError
 
-from ..errors import BadWeights, WeightsUnavailable, cause
+from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause
 from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
 KV_NAMESPACE = "ppo_logprobs"
+
+
+def _update_error(error: BaseException) -> BaseException:
+    error = cause(error)
+    if isinstance(error, RayActorError):
+        return UpdateFailed(f"a worker died during the update ({type(error).__name__}); nothing changed")
+    return error
 
 
 class WeightOwner:
@@ -74,7 +82,7 @@ class WeightOwner:
         """Waits for every worker's staging call; commits everywhere if all succeeded, else aborts everywhere and
         raises the first failure (a BadWeights before any other)."""
         outcomes = await asyncio.gather(*staging, return_exceptions=True)
-        errors = [cause(e) for e in outcomes if isinstance(e, BaseException)]
+        errors = [_update_error(e) for e in outcomes if isinstance(e, BaseException)]
         if errors:
             await asyncio.gather(*(w.abort.remote(version) for w in self.workers), return_exceptions=True)
             raise next((e for e in errors if isinstance(e, BadWeights)), errors[0])

@@ -9,19 +9,23 @@ back before it scores.
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import logging
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import ray
 import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..errors import WeightsChanged, WeightsUnavailable, get
-from .log_prob_worker import LogProbWorker, SequenceScores, validate_request
+from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
+from ..request import ScoreRequest, ScoreResult, SequenceScores
+from .log_prob_worker import LogProbWorker
 from .owner import WeightOwner
 from .weight_sender import WeightSender
 
@@ -54,66 +58,87 @@ class _PooledWorker(LogProbWorker):
         return self.placement
 
 
-def balance_by_tokens(lengths: Sequence[int], num_shares: int) -> list[list[int]]:
-    """Sequence indices split into num_shares lists of about equal token counts (longest first, to the
-    lightest share)."""
+def balance_by_tokens(lengths: np.ndarray, num_shares: int) -> list[np.ndarray]:
+    """Sequence indices split into num_shares arrays of about equal token counts: longest first to the lightest
+    share; for many sequences, consecutive runs of the longest-first order of about equal tokens."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    if num_shares == 1:
+        return [np.arange(len(lengths))]
+    if len(lengths) > 4096:
+        cuts = np.searchsorted(np.cumsum(lengths[order]), lengths.sum() * np.arange(1, num_shares) / num_shares)
+        return [np.sort(part) for part in np.split(order, cuts)]
     shares: list[list[int]] = [[] for _ in range(num_shares)]
-    load = [0] * num_shares
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        k = load.index(min(load))
+    heap = [(0, k) for k in range(num_shares)]
+    for i in order.tolist():
+        load, k = heapq.heappop(heap)
         shares[k].append(i)
-        load[k] += lengths[i]
-    return shares
+        heapq.heappush(heap, (load + int(lengths[i]), k))
+    return [np.array(sorted(share), dtype=np.int64) for share in shares]
 
 
-def _score_on_pool(owner, workers, input_ids, starts, temps, return_entropy) -> list[SequenceScores]:
-    """Dispatches shares to the actors and gathers them in order, all of one weights version: a dead actor's share
-    goes to the next, a restarted actor without weights is restored by the owner first, and shares answered with an
-    older version than the newest seen (an update landing mid-call) are asked again."""
-    results: list[SequenceScores | None] = [None] * len(input_ids)
-    pending = {}
+async def score_on_pool(owner, workers: list, request: ScoreRequest) -> ScoreResult:
+    """Dispatches shares to the actors and awaits them (from any event loop), all of one weights version: a dead
+    actor's share goes to the next, a restarted actor without weights is restored by the owner first, and shares
+    answered with an older version than the newest seen (an update landing mid-call) are asked again."""
+    pending: dict[asyncio.Future, tuple[np.ndarray, int, int]] = {}
 
-    def submit(share, worker, attempt):
-        ref = workers[worker].score.remote(
-            [input_ids[i] for i in share], [starts[i] for i in share], [temps[i] for i in share], return_entropy
-        )
-        pending[ref] = (share, worker, attempt)
+    def submit(share: np.ndarray, worker: int, attempt: int) -> None:
+        ref = workers[worker].score_request.remote(request.select(share))
+        pending[asyncio.wrap_future(ref.future())] = (share, worker, attempt)
 
-    shares = [s for s in balance_by_tokens([len(s) for s in input_ids], len(workers))]
-    for w, share in enumerate(shares):
-        if share:
+    for w, share in enumerate(balance_by_tokens(request.lengths, len(workers))):
+        if share.size:
             submit(share, w, 1)
-    done: list[tuple[list[int], int, int, int]] = []  # (share, worker, attempt, version)
+    done: list[tuple[np.ndarray, int, int, ScoreResult]] = []
     while pending:
-        (ref,), _ = ray.wait(list(pending), num_returns=1)
-        share, w, attempt = pending.pop(ref)
-        try:
-            scores = ray.get(ref)
-        except RayActorError as e:
-            if attempt >= _ATTEMPTS:
-                raise RuntimeError(f"worker {w} died {attempt} times holding {len(share)} sequences: {e}") from e
-            log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
-            submit(share, (w + 1) % len(workers), attempt + 1)
-            continue
-        except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
-            if attempt >= _ATTEMPTS:
-                raise
-            get(owner.restore.remote(w))
-            submit(share, w, attempt + 1)
-            continue
-        for i, s in zip(share, scores, strict=True):
-            results[i] = s
-        done.append((share, w, attempt, scores[0].weights_version if scores else -1))
+        finished, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+        for future in finished:
+            share, w, attempt = pending.pop(future)
+            try:
+                result = future.result()
+            except RayActorError as e:
+                if attempt >= _ATTEMPTS:
+                    raise WorkerLost(f"a worker died {attempt} times holding {len(share)} sequences") from e
+                log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
+                submit(share, (w + 1) % len(workers), attempt + 1)
+                continue
+            except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
+                if attempt >= _ATTEMPTS:
+                    raise
+                try:
+                    await owner.restore.remote(w)
+                except Exception as e:
+                    raise cause(e) from None
+                submit(share, w, attempt + 1)
+                continue
+            except Exception as e:
+                raise cause(e) from None
+            done.append((share, w, attempt, result))
         if not pending:
-            newest = max(v for *_, v in done)
-            stale = [d for d in done if d[3] not in (newest, -1)]
+            newest = max(r.weights_version for *_, r in done)
+            stale = [d for d in done if d[3].weights_version != newest]
             if stale and max(d[2] for d in stale) >= _ATTEMPTS:
                 raise WeightsChanged(f"the weights changed during the call {_ATTEMPTS} times; retry")
-            done = [d for d in done if d not in stale]
+            done = [d for d in done if d[3].weights_version == newest]
             for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
-                time.sleep(0.01 * attempt)
+                await asyncio.sleep(0.01 * attempt)
                 submit(share, w, attempt + 1)
-    return results  # type: ignore[return-value]
+    return ScoreResult.merge([(share, r) for share, _, _, r in done], len(request), request.return_entropy)
+
+
+def _run(coroutine):
+    """Runs a coroutine to its end from synchronous code, also when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def _score_task(owner, workers: list, request: ScoreRequest) -> list[SequenceScores]:
+    return _run(score_on_pool(owner, workers, request)).sequences()
 
 
 class WorkerPool:
@@ -207,11 +232,14 @@ class WorkerPool:
         """The version every worker serves once the last update has landed (asked of the owner)."""
         return ray.get(self.owner.state.remote())["version"]
 
-    def _request(self, input_ids, score_from, temperature):
-        starts, temps = validate_request(
-            input_ids, score_from, temperature, vocab_size=self.vocab_size, max_tokens=self.max_tokens_per_batch
-        )
-        return list(input_ids), starts, temps  # checked above; each worker turns its share into tensors
+    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True) -> ScoreRequest:
+        """Plain lists as a validated ScoreRequest (RequestError naming the sequence, before any work is sent)."""
+        return ScoreRequest.build(input_ids, score_from, temperature, return_entropy, vocab_size=self.vocab_size,
+                                  max_length=self.max_tokens_per_batch)
+
+    async def score(self, request: ScoreRequest) -> ScoreResult:
+        """Scores a validated request from an event loop (the gateway's path: two Ray hops, no task between)."""
+        return await score_on_pool(self.owner, self.workers, request)
 
     def compute_log_probs(
         self,
@@ -222,8 +250,8 @@ class WorkerPool:
     ) -> list[SequenceScores]:
         """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
         log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length)."""
-        ids, starts, temps = self._request(input_ids, score_from, temperature)
-        return _score_on_pool(self.owner, self.workers, ids, starts, temps, return_entropy)
+        request = self.request(input_ids, score_from, temperature, return_entropy)
+        return _run(score_on_pool(self.owner, self.workers, request)).sequences()
 
     def compute_log_probs_async(
         self,
@@ -233,9 +261,8 @@ class WorkerPool:
         return_entropy: bool = True,
     ) -> ray.ObjectRef:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
-        ids, starts, temps = self._request(input_ids, score_from, temperature)
-        task = ray.remote(num_cpus=0)(_score_on_pool)
-        return task.remote(self.owner, self.workers, ids, starts, temps, return_entropy)
+        request = self.request(input_ids, score_from, temperature, return_entropy)
+        return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request)
 
     def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef) -> int:
         """New weights on every worker, or on none (then the error says why); returns the new version.

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
-from ppo_logprobs.workers.errors import IncompatibleWeights
-from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_sequences
+from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge
+from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_rows
 
 from ...helpers import alone, random_sequences
 
@@ -56,12 +56,16 @@ def test_score_from_at_the_end_gives_empty_results():
     assert r.log_probs.shape == (0,) and r.entropy is None
 
 
-def test_pack_sequences_respects_the_budget():
-    lengths = [50, 3, 97, 20, 20, 100, 1, 64]
-    rows = pack_sequences(lengths, 100)
+def test_pack_rows_respects_the_budget():
+    lengths = np.array([50, 3, 97, 20, 20, 100, 1, 64])
+    rows = pack_rows(lengths, 100)
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
+    assert all(lengths[row].sum() <= 100 for row in rows)
     assert len(rows) == 4  # 355 tokens: the fewest rows of 100 possible
+    many = np.array([2] * 131072 + [7] * 5 + [16384])  # one placement per distinct length, not per sequence
+    rows = pack_rows(many, 16384)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(len(many)))
+    assert all(many[row].sum() <= 16384 for row in rows) and len(rows) == 18
 
 
 class OutOfMemoryAbove(LogProbWorker):
@@ -83,8 +87,8 @@ def test_out_of_memory_halves_the_row_and_retries(model, row_buckets):
     assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 40
     for seq, r in zip(seqs, results, strict=True):
         np.testing.assert_allclose(r.log_probs, alone(model, seq)[0], rtol=0, atol=1e-5)
-    with pytest.raises(torch.OutOfMemoryError):  # one sequence that does not fit cannot be split
-        worker.score([list(range(41))])
+    with pytest.raises(TooLarge, match="a sequence of 41 tokens does not fit in a worker's memory"):
+        worker.score([list(range(41))])  # one sequence that does not fit cannot be split: the request's fault
 
 
 def test_update_weights_changes_results_and_version():
@@ -120,16 +124,19 @@ def test_a_partial_update_changes_only_the_parameters_it_names(model):
 @pytest.mark.parametrize(
     "input_ids, score_from, temperature, message",
     [
-        ([[1, 2], []], 1, 1.0, r"input_ids\[1\] is empty"),
+        ([[1, 2], []], 1, 1.0, r"input_ids\[1\] has 0 tokens; scoring needs at least 2"),
         ([[1, 2], [3, 503]], 1, 1.0, r"input_ids\[1\]\[1\] = 503 is outside the vocabulary \[0, 503\)"),
         ([[1, 2], [3, -1]], 1, 1.0, r"input_ids\[1\]\[1\] = -1"),
-        ([[1, 2], [3, 4]], [1, 3], 1.0, r"score_from\[1\] = 3 must be an integer in \[1, 2\]"),
+        ([[1, 2], [3, 4]], [1, 3], 1.0, r"score_from\[1\] = 3 must be in \[1, 2\]"),
         ([[1, 2], [3, 4]], 0, 1.0, r"score_from\[0\] = 0"),
         ([[1, 2], [3, 4]], [1], 1.0, r"score_from has 1 entries for 2 sequences"),
-        ([[1, 2], [3, 4]], 1, [1.0, 0.0], r"temperature\[1\] = 0.0 must be a positive finite number"),
+        ([[1, 2], [3, 4]], 1, [1.0, 0.0], r"temperature\[1\] = 0.0 must be a number in \[0.01, 100\]"),
+        ([[1, 2]], 1, 1e-45, r"temperature\[0\] = 1e-45 must be a number in \[0.01, 100\]"),
+        ([[1, 2]], 1, 1e308, r"temperature\[0\] = 1e\+308"),
+        ([[1, 2]], [True], 1.0, r"score_from\[0\] = True must be an integer"),
         ([[1, 2], [3, 4]], 1, float("nan"), r"temperature\[0\] = nan"),
-        ([[1, 2], [3.5, 4]], 1, 1.0, r"input_ids\[1\] must hold integer token ids"),
-        ([list(range(300))], 1, 1.0, r"input_ids\[0\] has 300 tokens, over max_tokens_per_batch = 256"),
+        ([[1, 2], [3.5, 4]], 1, 1.0, r"input_ids\[1\]\[0\] = 3.5 is not a token id"),
+        ([list(range(300))], 1, 1.0, r"input_ids\[0\] has 300 tokens; this model takes at most 256"),
     ],
 )
 def test_bad_requests_name_the_sequence(input_ids, score_from, temperature, message):

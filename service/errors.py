@@ -1,0 +1,82 @@
+"""Every failure to one HTTP answer, in one place (`to_response`): the request's fault is a 4xx with a one-line
+message naming what is wrong; a transient state of the service is a 503 (or 429) with Retry-After; anything else
+is a 500 with an error id that is also in the gateway's log. No answer carries a traceback, an ANSI code, a process
+id or a server path beyond what the request itself named."""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+
+from fastapi import HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from ppo_logprobs.workers.errors import (
+    CheckpointNotFound,
+    IncompatibleWeights,
+    InvalidCheckpoint,
+    RequestError,
+    TooLarge,
+    UpdateFailed,
+    WeightsChanged,
+    WeightsUnavailable,
+    WorkerLost,
+    cause,
+)
+
+from .batcher import Overloaded, WorkersTimedOut
+
+log = logging.getLogger("ppo_logprobs.service")
+
+_FAULTS: list[tuple[type, int]] = [  # the request's fault, most specific first
+    (TooLarge, 413), (RequestError, 422), (CheckpointNotFound, 404), (InvalidCheckpoint, 422),
+    (IncompatibleWeights, 409),
+]
+_TRANSIENT = (WorkersTimedOut, WeightsUnavailable, UpdateFailed, WeightsChanged, WorkerLost, RayActorError,
+              ActorUnavailableError)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class NonFiniteResults(RuntimeError):
+    """The model produced NaN or infinite values (broken weights?); never sent to a client."""
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(_ANSI.sub("", text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _validation_detail(errors: list[dict]) -> str:
+    parts = []
+    for err in errors[:5]:
+        if err["type"] == "json_invalid":
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
+            continue
+        loc = ".".join(str(x) for x in err["loc"] if x != "body")
+        value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
+        parts.append(f"{loc or 'body'}: {err['msg']}{value}")
+    return "; ".join(parts)
+
+
+def to_response(exc: BaseException) -> JSONResponse:
+    exc = cause(exc)
+    if isinstance(exc, HTTPException):
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        return JSONResponse({"detail": one_line(_validation_detail(exc.errors()), 1000)}, status_code=422)
+    if isinstance(exc, Overloaded):
+        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": f"{exc.retry_after:.0f}"})
+    for kind, status in _FAULTS:
+        if isinstance(exc, kind):
+            return JSONResponse({"detail": one_line(str(exc))}, status_code=status)
+    if isinstance(exc, _TRANSIENT):
+        reason = one_line(str(exc), 200) if not isinstance(exc, RayActorError) else "a worker is restarting"
+        return JSONResponse({"detail": f"temporarily unavailable: {reason}; retry"}, status_code=503,
+                            headers={"Retry-After": "1"})
+    error_id = uuid.uuid4().hex[:12]
+    log.error("error %s: %s", error_id, type(exc).__name__, exc_info=exc)
+    return JSONResponse({"detail": f"internal error {error_id} (in the gateway's log)"}, status_code=500)

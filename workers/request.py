@@ -1,0 +1,228 @@
+"""The one request type from the edge to the GPU, and its result: ragged batches held as flat numpy arrays.
+
+A ScoreRequest is built and validated once (by the gateway's route, or by WorkerPool / LogProbWorker for a caller
+with plain lists) and then travels unchanged: cut into worker calls, joined with other requests, shared between
+workers. Nothing on the way costs Python work per token; per-sequence work is vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from .errors import RequestError, TooLarge
+
+# Temperatures outside this range are refused: far below it the scaled logits overflow fp32 (NaN), far above it
+# every distribution is uniform to fp32 precision.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 1e2
+
+
+def _value(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
+    """One value per sequence from a scalar or a sequence of n; RequestError naming the entry that is not `kind`."""
+    dtype = np.int64 if kind is int else np.float64
+    ok = "iu" if kind is int else "iuf"
+    if not isinstance(value, (Sequence, np.ndarray)):
+        if isinstance(value, (bool, np.bool_)) or np.asarray(value).dtype.kind not in ok:
+            raise RequestError(f"{name} = {_value(value)} must be {'an integer' if kind is int else 'a number'}")
+        return np.full(n, value, dtype=dtype)
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} entries for {n} sequences")
+    values = np.asarray(value)
+    if values.dtype.kind not in ok or values.ndim != 1:
+        for i, v in enumerate(value):
+            if isinstance(v, (bool, np.bool_)) or np.asarray(v).dtype.kind not in ok:
+                raise RequestError(f"{name}[{i}] = {_value(v)} must be {'an integer' if kind is int else 'a number'}")
+    return values.astype(dtype)
+
+
+def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(input_ids, (Sequence, np.ndarray)) or isinstance(input_ids, str) or len(input_ids) == 0:
+        raise RequestError("input_ids must be a non-empty list of token lists")
+    for i, seq in enumerate(input_ids):
+        if not isinstance(seq, (Sequence, np.ndarray)) or isinstance(seq, str):
+            raise RequestError(f"input_ids[{i}] = {_value(seq)} is not a list of token ids")
+    lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
+    if all(isinstance(s, np.ndarray) for s in input_ids):
+        tokens = np.concatenate([s.reshape(-1) for s in input_ids])
+    else:
+        try:
+            tokens = np.asarray(list(chain.from_iterable(input_ids)))
+        except (TypeError, ValueError):  # not a list of lists of scalars
+            tokens = np.zeros((0, 0))
+    if tokens.size and tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+        for i, seq in enumerate(input_ids):
+            for k, x in enumerate(seq):
+                if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                    raise RequestError(f"input_ids[{i}][{k}] = {_value(x)} is not a token id (an integer)")
+        raise RequestError("input_ids must be a list of lists of token ids")
+    return lengths, tokens.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Sequences to score, as one flat array of token ids with offsets."""
+
+    tokens: np.ndarray  # int32 [total]: sequence i is tokens[offsets[i] : offsets[i + 1]]
+    offsets: np.ndarray  # int64 [n + 1]
+    score_from: np.ndarray  # int64 [n]: entry k of result i scores token score_from[i] + k
+    temperature: np.ndarray  # float64 [n]
+    return_entropy: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: Sequence[Sequence[int]],
+        score_from: int | Sequence[int] = 1,
+        temperature: float | Sequence[float] = 1.0,
+        return_entropy: bool = True,
+        *,
+        vocab_size: int,
+        max_length: int,
+        max_tokens: int | None = None,
+    ) -> ScoreRequest:
+        """Checks everything once, before any device work. RequestError (or TooLarge, over max_length tokens in a
+        sequence or max_tokens in the request) names the field, the sequence and the value."""
+        lengths, tokens = _lengths_and_tokens(input_ids)
+        n = len(lengths)
+        if (short := np.flatnonzero(lengths < 2)).size:
+            i = int(short[0])
+            raise RequestError(f"input_ids[{i}] has {lengths[i]} tokens; scoring needs at least 2")
+        if (long := np.flatnonzero(lengths > max_length)).size:
+            i = int(long[0])
+            raise TooLarge(f"input_ids[{i}] has {lengths[i]} tokens; this model takes at most {max_length}")
+        if max_tokens is not None and tokens.size > max_tokens:
+            raise TooLarge(f"the request has {tokens.size} tokens; the limit is {max_tokens} per request")
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if (bad := np.flatnonzero((tokens < 0) | (tokens >= vocab_size))).size:
+            k = int(bad[0])
+            i = int(np.searchsorted(offsets, k, side="right") - 1)
+            raise RequestError(
+                f"input_ids[{i}][{k - offsets[i]}] = {tokens[k]} is outside the vocabulary [0, {vocab_size})"
+            )
+        starts = _per_sequence("score_from", score_from, n, int)
+        if (bad := np.flatnonzero((starts < 1) | (starts > lengths))).size:
+            i = int(bad[0])
+            raise RequestError(f"score_from[{i}] = {starts[i]} must be in [1, {lengths[i]}] (len(input_ids[{i}]))")
+        temps = _per_sequence("temperature", temperature, n, float)
+        ok = np.isfinite(temps) & (temps >= MIN_TEMPERATURE) & (temps <= MAX_TEMPERATURE)
+        if (bad := np.flatnonzero(~ok)).size:
+            i = int(bad[0])
+            raise RequestError(
+                f"temperature[{i}] = {temps[i].item()!r} must be a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            )
+        if not isinstance(return_entropy, (bool, np.bool_)):
+            raise RequestError(f"return_entropy = {_value(return_entropy)} must be true or false")
+        return cls(tokens.astype(np.int32), offsets, starts, temps, bool(return_entropy))
+
+    def __len__(self) -> int:
+        return len(self.score_from)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def scored(self) -> np.ndarray:
+        """Entries each sequence's result has."""
+        return self.lengths - self.score_from
+
+    def span(self, lo: int, hi: int) -> ScoreRequest:
+        """Sequences lo .. hi - 1 (views, no copy)."""
+        a, b = self.offsets[lo], self.offsets[hi]
+        return ScoreRequest(self.tokens[a:b], self.offsets[lo : hi + 1] - a, self.score_from[lo:hi],
+                            self.temperature[lo:hi], self.return_entropy)
+
+    def select(self, index: np.ndarray) -> ScoreRequest:
+        """These sequences, in this order (a share)."""
+        index = np.asarray(index, dtype=np.int64)
+        lengths = self.lengths[index]
+        offsets = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return ScoreRequest(self.tokens[ragged_index(self.offsets[index], lengths)], offsets,
+                            self.score_from[index], self.temperature[index], self.return_entropy)
+
+    @staticmethod
+    def concat(parts: Sequence[ScoreRequest]) -> ScoreRequest:
+        """The sequences of every part, one after another; entropy when any part asks for it."""
+        sizes = np.array([p.offsets[-1] for p in parts])
+        shift = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shift, strict=True)])
+        return ScoreRequest(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
+                            np.concatenate([p.score_from for p in parts]),
+                            np.concatenate([p.temperature for p in parts]), any(p.return_entropy for p in parts))
+
+
+def ragged_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenation of arange(starts[i], starts[i] + counts[i]) over i, without a Python loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
+
+
+@dataclass
+class SequenceScores:
+    """One sequence's result: entry k is for token seq[score_from + k] given seq[:score_from + k]."""
+
+    log_probs: np.ndarray  # float32, [len(seq) - score_from]
+    entropy: np.ndarray | None  # float32, same length; None when not asked for
+    weights_version: int
+
+
+@dataclass
+class ScoreResult:
+    """Every sequence's entries, one flat float32 array with offsets, computed with one weights version."""
+
+    log_probs: np.ndarray  # float32 [scored]: sequence i's are log_probs[offsets[i] : offsets[i + 1]]
+    entropy: np.ndarray | None  # float32 [scored], or None
+    offsets: np.ndarray  # int64 [n + 1]
+    weights_version: int
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def sequences(self) -> list[SequenceScores]:
+        lp = np.split(self.log_probs, self.offsets[1:-1])
+        ent = np.split(self.entropy, self.offsets[1:-1]) if self.entropy is not None else [None] * len(lp)
+        return [SequenceScores(a, b, self.weights_version) for a, b in zip(lp, ent, strict=True)]
+
+    def span(self, lo: int, hi: int) -> ScoreResult:
+        """Sequences lo .. hi - 1 (views, no copy)."""
+        a, b = self.offsets[lo], self.offsets[hi]
+        entropy = self.entropy[a:b] if self.entropy is not None else None
+        return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version)
+
+    @staticmethod
+    def merge(parts: Sequence[tuple[np.ndarray, ScoreResult]], n: int, entropy: bool) -> ScoreResult:
+        """One result of n sequences from parts (index of their sequences in the whole, their result), all of one
+        weights version."""
+        counts = np.zeros(n, dtype=np.int64)
+        for index, part in parts:
+            counts[index] = np.diff(part.offsets)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        log_probs = np.empty(offsets[-1], dtype=np.float32)
+        ent = np.empty(offsets[-1], dtype=np.float32) if entropy else None
+        for index, part in parts:
+            where = ragged_index(offsets[:-1][index], counts[index])
+            log_probs[where] = part.log_probs
+            if ent is not None:
+                ent[where] = part.entropy
+        versions = {part.weights_version for _, part in parts}
+        if len(versions) > 1:
+            raise ValueError(f"parts of versions {sorted(versions)} cannot be merged")
+        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1)
+
+    def all_finite(self) -> bool:
+        return bool(np.isfinite(self.log_probs).all() and (self.entropy is None or np.isfinite(self.entropy).all()))
