@@ -2,7 +2,8 @@
 
 The gateway is saturated by concurrent clients; the pool is called with the same sequences in calls of the
 gateway's batch size, which is the best the gateway could do. Both pack rows of at most --row-tokens tokens,
-so the model does the same work either way.
+so the model does the same work either way. HTTP runs once per response encoding (JSON text, and the binary
+body the Python client asks for), each reporting the bytes of its answers per scored token.
 
   python benchmarks/bench_gateway.py                           # CPU, the built-in tiny model
   python benchmarks/bench_gateway.py --model /ckpt --dtype bfloat16 --requests 400
@@ -24,6 +25,7 @@ from ray import serve
 from transformers import AutoConfig
 
 from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.service.wire import BINARY
 from ppo_logprobs.workers import WorkerPool
 
 
@@ -68,21 +70,26 @@ def main() -> None:
     serve.run(build_app(settings), name="bench", route_prefix="/")
     pool = WorkerPool.connect("bench:policy")
 
-    async def run() -> float:
+    async def run(accept: str) -> tuple[float, int]:
         limits = httpx.Limits(max_connections=args.clients)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as client:
+        headers = {"Accept": accept}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits,
+                                     headers=headers) as client:
             sem = asyncio.Semaphore(args.clients)
+            received = 0
 
             async def one(r):
+                nonlocal received
                 async with sem:
                     resp = await client.post("/logprobs", json={"input_ids": r})
                     resp.raise_for_status()
+                    received += len(resp.content)
 
             start = time.perf_counter()
             await asyncio.gather(*(one(r) for r in requests))
-            return time.perf_counter() - start
+            return time.perf_counter() - start, received
 
-    warm_s = asyncio.run(run())  # compiles whatever the worker compiles for these shapes
+    warm_s, _ = asyncio.run(run("application/json"))  # compiles whatever the worker compiles for these shapes
     flat = [s for r in requests for s in r]
     calls, call, size = [], [], 0
     for s in flat:
@@ -99,12 +106,15 @@ def main() -> None:
     start = time.perf_counter()
     pool.compute_log_probs(flat)  # everything in one call: the worker packs it all at once
     one_call_s = time.perf_counter() - start
-    http_s = asyncio.run(run())
-    serve.shutdown()
     out.update(warmup_http_s=warm_s, direct_tokens_per_s=tokens / direct_s,
-               direct_one_call_tokens_per_s=tokens / one_call_s, http_tokens_per_s=tokens / http_s,
-               http_requests_per_s=args.requests / http_s, http_over_direct=direct_s / http_s,
-               http_over_best_direct=min(direct_s, one_call_s) / http_s)
+               direct_one_call_tokens_per_s=tokens / one_call_s)
+    scored = tokens - args.requests * args.sequences  # score_from = 1
+    for name, accept in (("json", "application/json"), ("binary", BINARY)):
+        http_s, received = asyncio.run(run(accept))
+        out[name] = dict(http_tokens_per_s=tokens / http_s, http_requests_per_s=args.requests / http_s,
+                         http_over_direct=direct_s / http_s, http_over_best_direct=min(direct_s, one_call_s) / http_s,
+                         bytes_per_scored_token=received / scored)
+    serve.shutdown()
     print(json.dumps(out), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -39,6 +39,8 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
         )
         self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", ["model"], registry=self.registry)
+        self.calls = Gauge("ppo_logprobs_worker_calls", "worker calls started, by model", ["model"],
+                           registry=self.registry)
         self.fill = Gauge(
             "ppo_logprobs_batch_fill", "mean tokens per worker call over the batch budget", ["model"],
             registry=self.registry,
@@ -51,6 +53,7 @@ class GatewayMetrics:
     def sample(self, models: dict[str, ServedModel]) -> None:
         for name, m in models.items():
             self.queue.labels(model=name).set(len(m.batcher.waiting))
+            self.calls.labels(model=name).set(m.batcher.calls)
             if m.batcher.calls:
                 self.fill.labels(model=name).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
 

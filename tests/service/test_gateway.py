@@ -1,6 +1,10 @@
 """The gateway under Ray Serve, called over real HTTP on loopback."""
 
 import asyncio
+import ipaddress
+import os
+import signal
+import time
 
 import httpx
 import numpy as np
@@ -35,7 +39,9 @@ def server(checkpoint):
                     max_tokens_per_batch=512)
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret",
                      pool_name="gw-small")
-    with serving(6, {"main": main, "small": small}) as url:
+    big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=16384, max_batches_in_flight=1,
+                   pool_name="gw-big")
+    with serving(6, {"main": main, "small": small, "big": big}) as url:
         yield url
 
 
@@ -97,6 +103,10 @@ MALFORMED = [
     ({"input_ids": [[1, 2, 3]], "score_from": 1.5}, "score_from", 422),
     ({"input_ids": [[1, 2, 3]], "temperature": 0}, "temperature[0] = 0.0 must be a number in [0.01, 100]", 422),
     ({"input_ids": [[1, 2, 3]], "temperature": -1.0}, "temperature[0] = -1.0", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": 1e-45}, "temperature[0] = 1e-45 must be a number in [0.01, 100]", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": 1e-30}, "temperature[0] = 1e-30 must be a number in [0.01, 100]", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": 1e308}, "temperature[0] = 1e+308 must be a number in [0.01, 100]", 422),
+    ({"input_ids": [[1, 2, 3]], "model": "x" * 50000}, "model 'xxxxxxxx", 404),
     ({"input_ids": [[1, 2, 3]], "temperature": "hot"}, "temperature", 422),
     ({"input_ids": [[1, 2, 3]], "return_entropy": "yes"}, "return_entropy", 422),
     ({"input_ids": [[1, 2, 3]], "extra": 1}, "extra: Extra inputs are not permitted", 422),
@@ -113,7 +123,9 @@ def test_malformed_requests_get_a_4xx_naming_the_problem(server, body, message, 
     else:
         r = post(server, body)
     assert r.status_code == status, r.text
-    assert message in r.json()["detail"], r.json()["detail"]
+    detail = r.json()["detail"]
+    assert message in detail, detail
+    assert len(detail) < 1100 and "Traceback" not in detail and "\x1b" not in detail and "\n" not in detail
     assert post(server, {"input_ids": [[1, 2, 3]]}).status_code == 200  # still healthy
 
 
@@ -218,6 +230,124 @@ def test_a_worker_killed_under_load(server, tiny, checkpoint):
     assert body["weights_version"] == version
     for res, seq in zip(body["results"], seqs, strict=True):
         check(res, model, seq)
+
+
+def metric(server, prefix, name, model="policy") -> float:
+    for line in httpx.get(server + prefix + "/metrics").text.splitlines():
+        if line.startswith(f'{name}{{model="{model}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
+    """131,072 sequences of 2 tokens (the request limit) are cut into calls of 16384 tokens; a small request sent
+    while they run goes into the next call, and is answered before the huge one."""
+    huge = [[int(i % 500), int((i * 7) % 500)] for i in range(131072)]
+    small = random_sequences(2, seed=500)
+    done = []
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server + "/big", timeout=600) as client:
+            async def send(name, body):
+                r = await client.post("/logprobs", json=body)
+                done.append(name)
+                return r
+
+            big_task = asyncio.create_task(send("huge", {"input_ids": huge, "return_entropy": False}))
+            while metric(server, "/big", "ppo_logprobs_worker_calls") < 1:  # the huge request is being scored
+                assert not big_task.done(), big_task.result().text
+                await asyncio.sleep(0.05)
+            small_r = await send("small", {"input_ids": small})
+            return await big_task, small_r
+
+    big_r, small_r = asyncio.run(run())
+    assert big_r.status_code == 200 and small_r.status_code == 200, (big_r.text[:300], small_r.text[:300])
+    assert done == ["small", "huge"]
+    assert int(small_r.headers["X-Calls-Waited"]) <= 1  # at most the call that was running when it came
+    assert metric(server, "/big", "ppo_logprobs_worker_calls") >= 16  # the huge one took 16 calls or more
+    results = big_r.json()["results"]
+    assert len(results) == 131072 and all("entropy" not in r for r in results[:10])
+    for i in (0, 4097, 131071):  # spot checks: each sequence's one log-prob, in request order
+        np.testing.assert_allclose(results[i]["log_probs"], alone(tiny, huge[i])[0], rtol=0, atol=1e-5)
+    for res, seq in zip(small_r.json()["results"], small, strict=True):
+        check(res, tiny, seq)
+
+
+def test_bodies_over_the_limit_are_refused_before_parsing(server):
+    limit = 16 * 4000 + (1 << 20)  # main: max_request_tokens=4000, default body limit
+    r = httpx.post(server + "/logprobs", content=b"[" * (limit + 1), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and f"the limit is {limit}" in r.json()["detail"]
+
+    def chunks():  # no Content-Length: counted while it arrives
+        for _ in range(limit // 65536 + 2):
+            yield b" " * 65536
+
+    r = httpx.post(server + "/logprobs", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and f"the request body is over {limit} bytes" in r.json()["detail"]
+
+
+def test_binary_results_are_the_json_results_bitwise(server):
+    from ppo_logprobs.service.wire import BINARY, decode_binary
+
+    seqs = random_sequences(7, seed=501, hi=90)
+    body = {"input_ids": seqs, "score_from": [1 + i % 3 for i in range(7)], "temperature": 0.7}
+    as_json = post(server, body).json()
+    r = post(server, body, headers={"Accept": BINARY})
+    assert r.headers["content-type"] == BINARY
+    header, log_probs, entropy, offsets = decode_binary(r.content)
+    assert header["weights_version"] == as_json["weights_version"] and header["usage"] == as_json["usage"]
+    for i, res in enumerate(as_json["results"]):
+        span = slice(offsets[i], offsets[i + 1])
+        for got, text in ((log_probs[span], res["log_probs"]), (entropy[span], res["entropy"])):
+            assert np.array_equal(got.view(np.uint32), np.array(text, dtype=np.float32).view(np.uint32))
+
+
+def test_readyz_says_nothing_about_processes_without_the_key(server):
+    anonymous = httpx.get(server + "/small/readyz")
+    assert anonymous.status_code == 200 and anonymous.json() == {"ready": True}
+    keyed = httpx.get(server + "/small/readyz", headers={"Authorization": "Bearer s3cret"}).json()
+    assert keyed["ready"] and "pid" in keyed["models"]["policy"][0]
+
+
+def test_the_services_sockets_listen_on_loopback(server):
+    """Every listening socket of this Ray instance's processes is on loopback, except Ray Serve's replica gRPC
+    server, which Ray 2.60 binds to all interfaces with no setting to change it (README: Security)."""
+    import psutil
+
+    me = psutil.Process()
+    exceptions, listening = [], 0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            sockets = proc.net_connections(kind="inet")
+            name = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        for s in sockets:
+            if s.status != psutil.CONN_LISTEN:
+                continue
+            listening += 1
+            if not ipaddress.ip_address(s.laddr.ip.removeprefix("::ffff:")).is_loopback:
+                exceptions.append((name[:60], s.laddr.ip))
+    assert listening > 5
+    assert exceptions and all("ServeReplica" in name and ip in ("::", "0.0.0.0") for name, ip in exceptions), exceptions
+
+
+def test_the_service_comes_back_after_ten_worker_kills(server, tiny):
+    seqs = random_sequences(3, seed=502)
+    for kill in range(10):
+        pid = httpx.get(server + "/big/readyz").json()["models"]["policy"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            ready = httpx.get(server + "/big/readyz", timeout=60)
+            if ready.status_code == 200 and ready.json()["models"]["policy"][0]["pid"] != pid:
+                break
+            assert time.monotonic() < deadline, f"no recovery after kill {kill + 1}"
+            time.sleep(0.2)
+        r = post(server, {"input_ids": seqs}, "/big/logprobs")
+        assert r.status_code == 200, (kill, r.text)
+        for res, seq in zip(r.json()["results"], seqs, strict=True):
+            check(res, tiny, seq)
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(server):
