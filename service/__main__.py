@@ -4,18 +4,32 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 
-from .config import Settings
+from .config import Settings, is_loopback
 
 log = logging.getLogger("ppo_logprobs.service")
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
     """Settings from flags (generated from Settings; `--help` lists them) over PPO_LOGPROBS_* variables."""
-    return Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        raise SystemExit("the API key is read from PPO_LOGPROBS_API_KEY or --api-key-file, never from a flag "
+                         "(other users of the machine would see it in ps)")
+    return Settings(_cli_parse_args=argv)
+
+
+def curl_example(settings: Settings) -> str:
+    """A request to paste; it names the key's variable, never the key."""
+    body = json.dumps({"model": next(iter(settings.models)), "input_ids": [[1, 2, 3, 4], [5, 6, 7]],
+                       "score_from": [2, 1]})
+    auth = ' -H "Authorization: Bearer $PPO_LOGPROBS_API_KEY"' if settings.api_key else ""
+    return (f"curl -s http://{settings.host}:{settings.port}/logprobs -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,15 +40,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from .app import build_app
 
+    if is_loopback(settings.host):  # a one-machine service: Ray's own listeners on loopback too (README: Security)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
-    first = next(iter(settings.models))
-    body = json.dumps({"model": first, "input_ids": [[1, 2, 3, 4], [5, 6, 7]], "score_from": [2, 1]})
-    auth = ' -H "Authorization: Bearer $PPO_LOGPROBS_API_KEY"' if settings.api_key else ""
     url = f"http://{settings.host}:{settings.port}"
     log.info("ready on %s (docs at %s/docs). Try:", url, url)
-    log.info("  curl -s %s/logprobs -H 'Content-Type: application/json'%s -d '%s'", url, auth, body)
+    log.info("  %s", curl_example(settings))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

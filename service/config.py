@@ -61,14 +61,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"cannot read api_key_file {str(self.api_key_file)[:200]!r}: {e.strerror}") from None
         if self.api_key is not None and not self.api_key.get_secret_value():
             self.api_key = None  # an empty key is no key
-        if self.api_key is None and not _is_loopback(self.host):
+        if self.api_key is None and not is_loopback(self.host):
             raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
         if self.max_body_bytes is None:
             self.max_body_bytes = 16 * self.max_request_tokens + (1 << 20)
         return self
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

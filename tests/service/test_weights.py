@@ -2,11 +2,15 @@
 answer's results are those of its version's weights."""
 
 import asyncio
+import re
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import ray
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -166,3 +170,21 @@ def test_a_trainer_updating_beside_gateway_reloads(server, checkpoints):
     body = score(server)
     assert body["weights_version"] == last[1] == pool.weights_version
     assert matches(body, last[2])
+
+
+def test_weights_that_give_non_finite_results_answer_500_with_an_id_in_the_log(server, tmp_path):
+    broken = perturbed(99)
+    with torch.no_grad():
+        broken.lm_head.weight[7, 0] = float("nan")
+    assert httpx.post(server + "/v1/models/policy/reload", json={"path": save(broken, tmp_path / "nan")},
+                      timeout=120).status_code == 200
+    r = httpx.post(server + "/logprobs", json={"input_ids": SEQS}, timeout=120)
+    assert r.status_code == 500, r.text
+    detail = r.json()["detail"]
+    assert re.fullmatch(r"internal error [0-9a-f]{12} \(in the gateway's log\)", detail), detail
+    error_id = detail.split()[2]
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    deadline = time.monotonic() + 30
+    while not any(error_id in f.read_text(errors="replace") for f in logs.rglob("*") if f.is_file()):
+        assert time.monotonic() < deadline, "the error id is not in the logs"
+        time.sleep(0.5)
