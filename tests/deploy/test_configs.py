@@ -45,5 +45,5 @@ def test_serve_file_passes_the_deploy_schema_and_our_settings():
     settings = Settings(**app.args)  # the args are exactly the gateway's settings
     assert settings.worker_resources == {"logprob_gpu": 1} and settings.pool_name == "ppo_logprobs"
     assert callable(app_builder)
-    with pytest.raises(ValueError, match="api_key is required"):
+    with pytest.raises(ValueError, match="an API key is required"):
         Settings(**{**app.args, "api_key": None})
