@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import time
 
@@ -48,7 +47,6 @@ def main() -> None:
     parser.add_argument("--row-tokens", type=int, default=1024, help="max_tokens_per_batch of the workers")
     parser.add_argument("--out")
     args = parser.parse_args()
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # one machine: keep Ray on loopback
     backend = "torch" if args.model == "tiny" else "auto"
     vocab = 503 if args.model == "tiny" else AutoConfig.from_pretrained(args.model).vocab_size
     g = np.random.default_rng(0)

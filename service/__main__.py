@@ -35,13 +35,15 @@ def curl_example(settings: Settings) -> str:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = parse_args(argv)
+    if is_loopback(settings.host):
+        ## NB: a one-machine service keeps Ray's own listeners on loopback too (README: Security); Ray reads this
+        # when it is imported, so it is set before the import below.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
     from .app import build_app
 
-    if is_loopback(settings.host):  # a one-machine service: Ray's own listeners on loopback too (README: Security)
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")

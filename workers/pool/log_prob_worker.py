@@ -1,9 +1,13 @@
 """LogProbWorker: one patched model on one device, scoring batches of token sequences.
 
 A plain class (tests build it without Ray); `WorkerPool` turns it into Ray actors. A request (a ScoreRequest) is
-packed into rows of at most `max_tokens_per_batch` tokens (several sequences per row, position_ids restarting at
-0, no padding), each row is one forward, and results come back in request order. On CUDA out-of-memory a row is
-split in half and retried. Per-sequence work is vectorised, so many short sequences cost about what their tokens do.
+cut into forwards of at most `max_tokens_per_batch` tokens, laid out one of two ways:
+- "packed" (CUDA's default): several sequences per row, position_ids restarting at 0, no padding; long rows run
+  flex_attention, which skips the masked blocks, so a row costs about what its sequences cost alone.
+- "padded" (the CPU's default): a batch of sequences of similar lengths (within 1.5x), right-padded. Without a
+  kernel that skips masked blocks, attention over a packed row costs (row length)^2, however short its sequences.
+Results come back in request order. On CUDA out-of-memory a forward is split in half and retried. Per-sequence
+work is vectorised, so many short sequences cost about what their tokens do.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -23,7 +28,8 @@ from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LogProbWorker", "SequenceScores", "bucket_length", "pack_rows"]
+__all__ = ["LogProbWorker", "SequenceScores", "bucket_length", "pack_rows", "pad_batches"]
+Layout = Literal["packed", "padded"]
 
 
 def pack_rows(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
@@ -52,6 +58,21 @@ def pack_rows(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
             room.append(max_tokens - k * length)
             i += k
     return [np.concatenate(parts) for parts in rows]
+
+
+def pad_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Batches of sequence indices of similar lengths, each at most max_tokens tokens counting its padding (count x
+    longest). A sequence goes with the others whose length rounds up to the same one of 2^k and 1.5 * 2^k."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    power = 2 ** np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    key = np.where(lengths == power, power, np.where(2 * lengths <= 3 * power, 3 * power // 2, 2 * power))
+    order = np.lexsort((lengths, key))
+    batches = []
+    for k in np.unique(key):
+        members = order[key[order] == k]
+        per = max(1, max_tokens // int(k))
+        batches.extend(members[i : i + per] for i in range(0, members.size, per))
+    return batches
 
 
 def bucket_length(tokens: int, limit: int) -> int:
@@ -88,8 +109,8 @@ class LogProbWorker(WeightsHolder):
     """
 
     def __init__(
-        self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, row_buckets: bool | None = None,
-        restore: dict | None = None, keep_dir: str | None = None, **load_options,
+        self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
+        row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
@@ -101,9 +122,11 @@ class LogProbWorker(WeightsHolder):
             self.model, self.weights_version = restored(restore, device=self.device, **load_options)
         self._init_weights(keep_dir)
         self.max_tokens_per_batch = max_tokens_per_batch
+        cuda = str(self.device).startswith("cuda")
+        self.layout: Layout = layout or ("packed" if cuda else "padded")
         # On CUDA, packed rows run compiled flex_attention, compiled once per row length: rows are padded up
         # to a few bucket lengths so that the kernels compile a handful of times, not once per request.
-        self.row_buckets = str(self.device).startswith("cuda") if row_buckets is None else row_buckets
+        self.row_buckets = cuda if row_buckets is None else row_buckets
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
 
     def info(self) -> dict:
@@ -153,46 +176,66 @@ class LogProbWorker(WeightsHolder):
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
         limit = self.max_tokens_per_batch
-        queue = [(row, limit) for row in pack_rows(lengths, limit)]  # a row and the most it may be padded to
+        queue = [(group, limit) for group in self._split(lengths, limit)]  # and the most it may cost
         while queue:
-            row, limit = queue.pop()
-            sizes = lengths[row]
-            size = bucket_length(int(sizes.sum()), limit) if self.row_buckets else int(sizes.sum())
+            group, limit = queue.pop()
+            sizes = lengths[group]
             try:
-                self._score_row(request, row, size, offsets, log_probs, entropy)
+                cost = self._score_group(request, group, limit, offsets, log_probs, entropy)
             except torch.OutOfMemoryError:
-                if size == sizes.max():  # one sequence, unpadded: nothing left to split
+                cost = self._cost(sizes, limit)
+                if cost == sizes.max():  # one sequence, unpadded: nothing left to split
                     raise TooLarge(
-                        f"a sequence of {size} tokens does not fit in a worker's memory; send shorter sequences"
+                        f"a sequence of {cost} tokens does not fit in a worker's memory; send shorter sequences"
                     ) from None
                 torch.cuda.empty_cache()
                 self.stats["oom_splits"] += 1
-                half = max(int(sizes.max()), size // 2)  # less than size, so this ends
-                log.warning("out of memory on a row of %d tokens; retrying in rows of at most %d", size, half)
-                queue.extend((row[part], half) for part in pack_rows(sizes, half))
+                half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
+                log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
+                queue.extend((group[part], half) for part in self._split(sizes, half))
         return ScoreResult(log_probs, entropy, offsets, self.weights_version)
 
-    def _score_row(self, request: ScoreRequest, row: np.ndarray, size: int, offsets: np.ndarray,
-                   log_probs: np.ndarray, entropy: np.ndarray | None) -> None:
-        lengths, starts = request.lengths[row], request.score_from[row]
-        real = int(lengths.sum())  # padding up to size is a trailing sequence of its own, unscored and unseen
-        begin = np.cumsum(lengths) - lengths  # where each sequence starts in the row
-        ids = np.zeros(size, dtype=np.int64)
-        ids[:real] = request.tokens[ragged_index(request.offsets[row], lengths)]
-        positions = np.arange(size, dtype=np.int64)
-        positions[:real] -= np.repeat(begin, lengths)
-        positions[real:] -= real
-        temperature = np.ones(size, dtype=np.float32)
-        temperature[:real] = np.repeat(request.temperature[row], lengths)
-        out = self._forward(*(torch.from_numpy(a)[None].to(self.device) for a in (ids, positions, temperature)))
-        # entry k of sequence i scores token begin + s + k, predicted at position begin + s + k - 1
-        src = ragged_index(begin + starts - 1, lengths - starts)
-        dst = ragged_index(offsets[:-1][row], lengths - starts)
-        log_probs[dst] = out.log_probs[0].cpu().numpy()[src]
-        if entropy is not None:
-            entropy[dst] = out.entropy[0].cpu().numpy()[src]
-        self.stats["rows"] += 1
-        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], size)
+    def _split(self, lengths: np.ndarray, limit: int) -> list[np.ndarray]:
+        return pack_rows(lengths, limit) if self.layout == "packed" else pad_batches(lengths, limit)
 
-    def _forward(self, input_ids, position_ids, temperature):
-        return self.model(input_ids=input_ids, position_ids=position_ids, temperature=temperature)
+    def _cost(self, lengths: np.ndarray, limit: int) -> int:
+        """Tokens one forward of these sequences computes, padding included."""
+        if self.layout == "padded":
+            return len(lengths) * int(lengths.max())
+        return bucket_length(int(lengths.sum()), limit) if self.row_buckets else int(lengths.sum())
+
+    def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
+                     log_probs: np.ndarray, entropy: np.ndarray | None) -> int:
+        """One forward of these sequences; writes their entries; returns its cost in tokens."""
+        lengths, starts = request.lengths[group], request.score_from[group]
+        cost = self._cost(lengths, limit)
+        width = int(lengths.max()) if self.layout == "padded" else cost
+        at = np.arange(len(group)) * width if self.layout == "padded" else np.cumsum(lengths) - lengths
+        real = ragged_index(at, lengths)  # where each token goes in the flattened [rows, width] input
+        ids = np.zeros(cost, dtype=np.int64)
+        ids[real] = request.tokens[ragged_index(request.offsets[group], lengths)]
+        temperature = np.ones(cost, dtype=np.float32)
+        temperature[real] = np.repeat(request.temperature[group], lengths)
+        inputs = dict(input_ids=ids, temperature=temperature)
+        if self.layout == "padded":
+            mask = np.zeros(cost, dtype=np.int64)
+            mask[real] = 1
+            inputs["attention_mask"] = mask
+        else:  # padding is a trailing sequence of its own (positions from 0), unscored and unseen by real tokens
+            positions = np.arange(cost, dtype=np.int64)
+            positions[real] -= np.repeat(at, lengths)
+            positions[real.size :] -= real.size
+            inputs["position_ids"] = positions
+        out = self._forward(**{k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()})
+        # entry k of sequence i scores token at + s + k, predicted at position at + s + k - 1
+        src = ragged_index(at + starts - 1, lengths - starts)
+        dst = ragged_index(offsets[:-1][group], lengths - starts)
+        log_probs[dst] = out.log_probs.reshape(-1).cpu().numpy()[src]
+        if entropy is not None:
+            entropy[dst] = out.entropy.reshape(-1).cpu().numpy()[src]
+        self.stats["rows"] += 1
+        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
+        return cost
+
+    def _forward(self, **inputs):
+        return self.model(**inputs)

@@ -6,7 +6,7 @@ import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge
-from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_rows
+from ppo_logprobs.workers.pool.log_prob_worker import bucket_length, pack_rows, pad_batches
 
 from ...helpers import alone, random_sequences
 
@@ -16,8 +16,9 @@ def model():
     return load_model("tiny", backend="torch")
 
 
-def test_results_in_order_and_aligned(model):
-    worker = LogProbWorker("tiny", max_tokens_per_batch=100, backend="torch")
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_results_in_order_and_aligned(model, layout):
+    worker = LogProbWorker("tiny", max_tokens_per_batch=100, layout=layout, backend="torch")
     seqs = random_sequences(20, seed=0)
     starts = [1 + i % 3 for i in range(20)]
     temps = [0.5 + 0.1 * i for i in range(20)]
@@ -35,7 +36,7 @@ def test_results_in_order_and_aligned(model):
 
 def test_rows_padded_to_bucket_lengths_give_the_same_results(model):
     """On CUDA rows are padded to a few lengths (compiled attention); the padding must change nothing."""
-    worker = LogProbWorker("tiny", max_tokens_per_batch=700, row_buckets=True, backend="torch")
+    worker = LogProbWorker("tiny", max_tokens_per_batch=700, layout="packed", row_buckets=True, backend="torch")
     seqs = random_sequences(15, seed=3, hi=90)
     for seq, r in zip(seqs, worker.score(seqs, 2), strict=True):
         lp, ent = alone(model, seq, 2)
@@ -56,6 +57,26 @@ def test_score_from_at_the_end_gives_empty_results():
     assert r.log_probs.shape == (0,) and r.entropy is None
 
 
+def test_pad_batches_group_similar_lengths_within_the_budget():
+    lengths = np.array([2, 3, 100, 7, 6, 2, 64, 65, 5, 96] * 20)
+    batches = pad_batches(lengths, 200)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) * lengths[b].max() <= 200 and lengths[b].max() <= 1.5 * lengths[b].min()
+    many = pad_batches(np.full(131072, 2), 16384)  # the gateway's largest request of the shortest sequences
+    assert len(many) == 16 and all(b.size == 8192 for b in many)
+
+
+def test_many_short_sequences_cost_what_their_tokens_do(model):
+    """A forward per ~max_tokens_per_batch tokens, whatever the number of sequences (no per-sequence forward)."""
+    worker = LogProbWorker("tiny", max_tokens_per_batch=4096, backend="torch")
+    seqs = [[i % 500, (7 * i) % 500] for i in range(20000)]
+    results = worker.score(seqs)
+    assert worker.stats["rows"] == 10
+    for i in (0, 9999, 19999):
+        np.testing.assert_allclose(results[i].log_probs, alone(model, seqs[i])[0], rtol=0, atol=1e-5)
+
+
 def test_pack_rows_respects_the_budget():
     lengths = np.array([50, 3, 97, 20, 20, 100, 1, 64])
     rows = pack_rows(lengths, 100)
@@ -73,15 +94,16 @@ class OutOfMemoryAbove(LogProbWorker):
 
     limit = 40
 
-    def _forward(self, input_ids, position_ids, temperature):
-        if input_ids.shape[1] > self.limit:
+    def _forward(self, **inputs):
+        if inputs["input_ids"].numel() > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory (test device)")
-        return super()._forward(input_ids, position_ids, temperature)
+        return super()._forward(**inputs)
 
 
-@pytest.mark.parametrize("row_buckets", [False, True])  # padded rows (CUDA's default) must shrink too
-def test_out_of_memory_halves_the_row_and_retries(model, row_buckets):
-    worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, row_buckets=row_buckets, backend="torch")
+@pytest.mark.parametrize("layout, row_buckets", [("packed", False), ("packed", True), ("padded", False)])
+def test_out_of_memory_halves_the_forward_and_retries(model, layout, row_buckets):
+    worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, layout=layout, row_buckets=row_buckets,
+                              backend="torch")
     seqs = random_sequences(12, seed=1, hi=30)
     results = worker.score(seqs)
     assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 40
