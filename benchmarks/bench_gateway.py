@@ -34,6 +34,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def huge(url: str, vocab: int, longest: int) -> dict:
+    """The request that used to wedge the gateway, beside a small one, and the same tokens as the longest
+    sequences the workers take."""
+    g = np.random.default_rng(1)
+    short = g.integers(0, vocab, (131072, 2)).tolist()
+    long = g.integers(0, vocab, (262144 // longest, longest)).tolist()
+    async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+        async def timed(body):
+            start = time.perf_counter()
+            r = await client.post("/logprobs", json=body)
+            r.raise_for_status()
+            return time.perf_counter() - start, r
+
+        out = {}
+        out["long_s"], _ = await timed({"input_ids": long, "return_entropy": False})
+        out["short_s"], _ = await timed({"input_ids": short, "return_entropy": False})
+        big = asyncio.create_task(timed({"input_ids": short, "return_entropy": False}))
+        await asyncio.sleep(0.2)
+        out["small_beside_s"], r = await timed({"input_ids": short[:4]})
+        out["small_calls_waited"] = int(r.headers["X-Calls-Waited"])
+        out["short_beside_s"], _ = await big
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
@@ -45,6 +69,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per pool call (both paths)")
     parser.add_argument("--row-tokens", type=int, default=1024, help="max_tokens_per_batch of the workers")
+    parser.add_argument("--huge", action="store_true",
+                        help="also: 131,072 sequences of 2 tokens in one request, alone and beside a small request")
     parser.add_argument("--out")
     args = parser.parse_args()
     backend = "torch" if args.model == "tiny" else "auto"
@@ -112,6 +138,8 @@ def main() -> None:
         out[name] = dict(http_tokens_per_s=tokens / http_s, http_requests_per_s=args.requests / http_s,
                          http_over_direct=direct_s / http_s, http_over_best_direct=min(direct_s, one_call_s) / http_s,
                          bytes_per_scored_token=received / scored)
+    if args.huge:
+        out["huge"] = asyncio.run(huge(f"http://127.0.0.1:{port}", vocab, args.row_tokens))
     serve.shutdown()
     print(json.dumps(out), flush=True)
     if args.out:
