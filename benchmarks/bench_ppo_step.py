@@ -19,16 +19,11 @@ import os
 import statistics
 import time
 
-import numpy as np
 import ray
 import torch
+from bench_pool import rollouts  # the same directory
 
 from ppo_logprobs.workers import WorkerPool, load_model
-
-
-def rollouts(n: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = np.random.default_rng(seed)
-    return [g.integers(0, vocab, prompt + int(g.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
 class Trainer:

@@ -11,21 +11,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import time
 
 import httpx
 import ray
+from bench_gateway import free_port  # the same directory
 from ray import serve
 
 from ppo_logprobs.service import Settings, build_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

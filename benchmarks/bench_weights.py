@@ -25,19 +25,10 @@ from pathlib import Path
 
 import ray
 import torch
-from bench_ppo_step import Trainer  # the same directory
+from bench_pool import median_seconds  # the same directory
+from bench_ppo_step import Trainer
 
 from ppo_logprobs.workers import WorkerPool
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def sync():
@@ -58,7 +49,7 @@ def broadcast_raw(trainer, nbytes: int, reps: int) -> float:
     """Runs in the trainer's process: the same bytes as one flat buffer over the sender's group."""
     device = trainer.sender.device
     buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    return timed(lambda: (trainer.sender.group.broadcast(buffer, 0).wait(), sync()), reps)
+    return median_seconds(lambda: (trainer.sender.group.broadcast(buffer, 0).wait(), sync()), reps)
 
 
 def disk_and_pcie(worker, path: str, reps: int) -> dict:
@@ -80,11 +71,11 @@ def disk_and_pcie(worker, path: str, reps: int) -> dict:
             list(pool.map(read, enumerate(jobs)))
 
     nbytes = sum(f.stat().st_size for f in files)
-    out = dict(read_gib_per_s=nbytes / timed(read_all, reps) / 2**30)
+    out = dict(read_gib_per_s=nbytes / median_seconds(read_all, reps) / 2**30)
     if cuda:
         host = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8).pin_memory()
         device = torch.empty_like(host, device="cuda")
-        out["h2d_gib_per_s"] = 1 / timed(lambda: (device.copy_(host, non_blocking=True), sync()), reps)
+        out["h2d_gib_per_s"] = 1 / median_seconds(lambda: (device.copy_(host, non_blocking=True), sync()), reps)
     return out
 
 
@@ -99,7 +90,7 @@ def load_as_before(worker, path: str, reps: int) -> float:
         worker.model.load_state_dict(state)
         sync()
 
-    return timed(load, reps)
+    return median_seconds(load, reps)
 
 
 def main() -> None:
@@ -136,7 +127,7 @@ def main() -> None:
     def rate(seconds: float) -> dict:
         return dict(seconds=seconds, gib_per_s=nbytes / seconds / 2**30)
 
-    results["sources"]["checkpoint"] = rate(timed(lambda: pool.update_weights(path), args.reps))
+    results["sources"]["checkpoint"] = rate(median_seconds(lambda: pool.update_weights(path), args.reps))
     results["raw"]["checkpoint_media"] = ray.get(worker.__ray_call__.remote(disk_and_pcie, path, args.reps))
     results["before"] = dict(checkpoint=rate(ray.get(worker.__ray_call__.remote(load_as_before, path, args.reps))))
     if not args.checkpoint_only:
@@ -161,7 +152,8 @@ def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, 
     if gpus >= 2:
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
         dst = torch.empty_like(src, device="cuda:1")
-        results["raw"]["gpu_copy"] = rate(timed(lambda: (dst.copy_(src), torch.cuda.synchronize(1)), args.reps))
+        copy = rate(median_seconds(lambda: (dst.copy_(src), torch.cuda.synchronize(1)), args.reps))
+        results["raw"]["gpu_copy"] = copy
         del src, dst
     ray.get(trainer.close.remote())
 

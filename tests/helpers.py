@@ -1,5 +1,5 @@
-"""Shared test helpers: random token sequences, the in-process model's own answer, a free loopback port, a
-local Ray with the gateway served."""
+"""Shared test helpers: random token sequences, the in-process model's own answer, other weights for the tiny
+model and their checkpoint, a free loopback port, a local Ray with the gateway served."""
 
 import contextlib
 import socket
@@ -10,6 +10,8 @@ import torch
 from ray import serve
 
 from ppo_logprobs.service import build_app
+from ppo_logprobs.workers import load_model, patch_model
+from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 
 TINY_VOCAB = 503  # the built-in "tiny" model
 
@@ -25,6 +27,33 @@ def alone(model, seq, score_from=1, temperature=1.0):
         out = model(input_ids=torch.tensor([seq]), temperature=temperature)
     span = slice(score_from - 1, len(seq) - 1)
     return out.log_probs[0, span].numpy(), out.entropy[0, span].numpy()
+
+
+def perturbed(seed, device="cpu", **config):
+    """The tiny model (or, with `config`, the tiny config changed by it), its weights moved by seeded noise of
+    0.05; patched (torch backend on the CPU)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if config:
+        model = patch_model(Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, **config})).to(device), backend="torch")
+    else:
+        model = load_model("tiny", device=device, backend="torch" if device == "cpu" else "auto")
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device=device) * 0.05)
+    return model
+
+
+def save(model, path, **kw) -> str:
+    """save_pretrained of a patched instance (as its plain class), which keeps its patch; returns the path."""
+    patched = model.__dict__.pop("forward", None)
+    try:
+        model.save_pretrained(path, **kw)
+    finally:
+        if patched is not None:
+            model.forward = patched
+    return str(path)
 
 
 def free_port() -> int:

@@ -13,14 +13,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from ppo_logprobs.client import AsyncLogProbClient, LogProbClient, LogProbError, connect_pool
 from ppo_logprobs.client.log_prob_client import _chunks
 from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, random_sequences, serving
+from ..helpers import alone, perturbed, random_sequences, save, serving
 
 CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
@@ -38,14 +37,7 @@ def url():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """Other weights for the tiny model, saved, and the model loaded from them."""
-    model = load_model("tiny")
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    path = str(tmp_path_factory.mktemp("client-ckpt"))
-    del model.forward  # saved as the plain class
-    model.save_pretrained(path)
+    path = save(perturbed(7), tmp_path_factory.mktemp("client-ckpt"))
     return path, load_model(path, backend="torch")
 
 

@@ -9,27 +9,19 @@ import time
 import httpx
 import numpy as np
 import pytest
-import torch
 from ray import serve
 
 from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, random_sequences, serving
+from ..helpers import alone, perturbed, random_sequences, save, serving
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A checkpoint directory of the tiny model with other weights (the reference model, and a reload)."""
-    model = load_model("tiny", backend="torch")
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    path = tmp_path_factory.mktemp("ckpt")
-    del model.forward
-    model.save_pretrained(path)
-    return str(path), load_model(str(path), backend="torch")
+    path = save(perturbed(9), tmp_path_factory.mktemp("ckpt"))
+    return path, load_model(path, backend="torch")
 
 
 @pytest.fixture(scope="module")

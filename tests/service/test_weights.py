@@ -12,33 +12,18 @@ import numpy as np
 import pytest
 import ray
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.client import connect_pool
 from ppo_logprobs.service import Settings
-from ppo_logprobs.workers import load_model, patch_model
-from ppo_logprobs.workers.models.load_model import TINY_CONFIG
+from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, random_sequences, serving
+from ..helpers import alone, perturbed, random_sequences, save, serving
 
 SEQS = random_sequences(4, seed=60, hi=70)
 
 
-def perturbed(seed, **config):
-    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, **config})) if config else load_model("tiny")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
-def save(model, path):
-    patched = model.__dict__.pop("forward", None)
-    model.save_pretrained(path)
-    if patched is not None:
-        model.forward = patched
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +121,7 @@ def test_concurrent_reloads_and_scoring(server, checkpoints):
 def test_a_trainer_updating_beside_gateway_reloads(server, checkpoints):
     models, _ = checkpoints
     pool = connect_pool("policy", service="weights-test")  # the trainer's handle on the service's pool
-    trainer_models = [patch_model(perturbed(90 + i), backend="torch") for i in range(3)]
+    trainer_models = [perturbed(90 + i) for i in range(3)]
     landed, errors = [], []
 
     def trainer():

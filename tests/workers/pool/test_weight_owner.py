@@ -20,7 +20,7 @@ from ppo_logprobs.workers.errors import (
     WeightsUnavailable,
 )
 
-from ...helpers import alone, free_port, random_sequences
+from ...helpers import alone, free_port, perturbed, random_sequences, save
 
 SEQS = random_sequences(12, seed=50, hi=80)
 
@@ -39,24 +39,8 @@ def pool(cluster):
     pool.shutdown()
 
 
-def perturbed(seed):
-    model = load_model("tiny", backend="torch")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
 
 
-def save(model, path, **kw):
-    """save_pretrained of a patched instance, which keeps its patch."""
-    patched = model.__dict__.pop("forward", None)
-    try:
-        model.save_pretrained(path, **kw)
-    finally:
-        if patched is not None:
-            model.forward = patched
-    return str(path)
 
 
 def assert_serves(pool, model, version):

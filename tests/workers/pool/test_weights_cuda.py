@@ -5,7 +5,9 @@ import pytest
 import ray
 import torch
 
-from ppo_logprobs.workers import WorkerPool, load_model
+from ppo_logprobs.workers import WorkerPool
+
+from ...helpers import perturbed, save
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -19,13 +21,6 @@ def cluster():
     ray.shutdown()
 
 
-def perturbed(seed, device="cpu"):
-    model = load_model("tiny", device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g, device=device) * 0.05)
-    return model
 
 
 def weights_of(worker) -> dict:
@@ -35,8 +30,7 @@ def weights_of(worker) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_checkpoint_lands_bitwise_on_the_gpu(cluster, tmp_path, dtype):
     source = perturbed(1)
-    del source.forward
-    source.save_pretrained(tmp_path)
+    save(source, tmp_path)
     pool = WorkerPool.create("tiny", 1, dtype=dtype, local_copy=False)
     try:
         assert pool.update_weights(str(tmp_path)) == 1

@@ -8,11 +8,10 @@ import time
 import numpy as np
 import pytest
 import ray
-import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
 
-from ...helpers import alone, random_sequences
+from ...helpers import alone, perturbed, random_sequences
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,6 @@ def model():
     return load_model("tiny", backend="torch")
 
 
-def perturbed(seed):
-    other = load_model("tiny", backend="torch")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return other
 
 
 def assert_matches(results, seqs, model, starts=None, temps=None, version=None):

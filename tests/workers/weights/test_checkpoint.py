@@ -12,28 +12,7 @@ from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 from ppo_logprobs.workers.weights import checkpoint
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint, read_index
 
-
-def perturbed(seed, **config):
-    """The tiny model (or another config of it) with weights moved away from the built-in ones."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, **config})) if config else load_model("tiny")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model
-
-
-def save(model, path, **kw):
-    """save_pretrained of a patched instance, which keeps its patch."""
-    patched = model.__dict__.pop("forward", None)
-    try:
-        model.save_pretrained(path, **kw)
-    finally:
-        if patched is not None:
-            model.forward = patched
-    return str(path)
+from ...helpers import perturbed, save
 
 
 def params(model):
