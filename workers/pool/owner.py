@@ -24,7 +24,7 @@ from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
-KV_NAMESPACE = "ppo_logprobs"
+NAMESPACE = "ppo_logprobs"  # the Ray namespace of named pools, and of the owners' saved state
 
 
 def _update_error(error: BaseException) -> BaseException:
@@ -37,28 +37,39 @@ def _update_error(error: BaseException) -> BaseException:
 class WeightOwner:
     def __init__(self, key: str, model: str) -> None:
         self.key = key
-        saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=KV_NAMESPACE)
+        saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=NAMESPACE)
         state = json.loads(saved) if saved else {"version": 0, "last": 0, "source": {"path": model}}
         self.version: int = state["version"]  # the version every worker serves once its commit landed
         self.last: int = state["last"]  # the last version handed out, landed or not: never reused
         self.source: dict = state["source"]  # {"path": checkpoint} or {"stream": True}
         self.config: dict | None = state.get("config")  # to rebuild a worker whose checkpoint is gone
+        self.names: list[str] | None = state.get("names")  # the workers' actor names, for a named pool
         self.workers: list = []
+        if self.names:  # this owner was restarted: a named pool's workers are found by name
+            try:
+                self.workers = [ray.get_actor(n, namespace=NAMESPACE) for n in self.names]
+            except ValueError:
+                log.error("the pool's workers %s are gone", self.names)
         self.lock = asyncio.Lock()
         self.streams: dict[int, asyncio.Task] = {}
 
     def _save(self) -> None:
-        state = json.dumps(
-            {"version": self.version, "last": self.last, "source": self.source, "config": self.config}, default=str
-        )
-        ray.experimental.internal_kv._internal_kv_put(self.key, state, overwrite=True, namespace=KV_NAMESPACE)
+        state = json.dumps({"version": self.version, "last": self.last, "source": self.source,
+                            "config": self.config, "names": self.names}, default=str)
+        ray.experimental.internal_kv._internal_kv_put(self.key, state, overwrite=True, namespace=NAMESPACE)
 
     def forget(self) -> None:
-        ray.experimental.internal_kv._internal_kv_del(self.key, namespace=KV_NAMESPACE)
+        ray.experimental.internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
 
-    def set_workers(self, workers: list, config: dict) -> None:
-        self.workers, self.config = list(workers), config
+    def set_workers(self, workers: list, config: dict, names: list[str] | None = None) -> None:
+        self.workers, self.config, self.names = list(workers), config, names
         self._save()
+
+    def _pool(self) -> list:
+        if not self.workers:
+            raise WeightsUnavailable("the pool's owner was restarted and cannot find its (unnamed) workers; "
+                                     "create the pool again")
+        return self.workers
 
     def state(self) -> dict:
         return {"version": self.version, "source": self.source, "workers": self.workers}
@@ -97,12 +108,12 @@ class WeightOwner:
     async def update_from_path(self, path: str) -> int:
         async with self.lock:
             version = self._next_version()
-            return await self._land([w.stage_checkpoint.remote(path, version) for w in self.workers], version,
+            return await self._land([w.stage_checkpoint.remote(path, version) for w in self._pool()], version,
                                     {"path": path})
 
     async def open_group(self, spec) -> None:
         """Every worker joins a sender's group (ranks 1..n, in worker order)."""
-        await asyncio.gather(*(w.join_group.remote(spec, i + 1) for i, w in enumerate(self.workers)))
+        await asyncio.gather(*(w.join_group.remote(spec, i + 1) for i, w in enumerate(self._pool())))
 
     async def close_group(self, name: str) -> None:
         await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
@@ -112,7 +123,7 @@ class WeightOwner:
         the sender to broadcast. The update lock is held until the stream has landed or failed."""
         await self.lock.acquire()
         try:
-            layouts = await asyncio.gather(*(w.layout_for.remote(shapes, full, group) for w in self.workers))
+            layouts = await asyncio.gather(*(w.layout_for.remote(shapes, full, group) for w in self._pool()))
         except Exception as e:
             self.lock.release()
             raise cause(e) from None
@@ -135,7 +146,7 @@ class WeightOwner:
         """Brings worker `index` to the current version if it is behind: from a live peer at that version over the
         workers' collective backend, else from the current checkpoint."""
         async with self.lock:
-            worker, version = self.workers[index], self.version
+            worker, version = self._pool()[index], self.version
             info = await worker.info.remote()
             if info["weights_version"] == version:
                 return version

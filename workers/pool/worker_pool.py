@@ -26,12 +26,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from .log_prob_worker import LogProbWorker
-from .owner import WeightOwner
+from .owner import NAMESPACE, WeightOwner
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "ppo_logprobs"
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
 
 
@@ -163,7 +162,7 @@ class WorkerPool:
         num_gpus_per_worker: float | None = None,
         name: str | None = None,
         max_tokens_per_batch: int = 16384,
-        max_restarts: int = 3,
+        max_restarts: int = -1,
         ready_timeout_s: float = 300.0,
         resources: dict[str, float] | None = None,
         local_copy: bool | None = None,
@@ -213,7 +212,8 @@ class WorkerPool:
                          keep_dir=keep_dir, **load_options)
             )
         infos = ray.get([w.info.remote() for w in workers])
-        ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote())))
+        names = [_actor_name(name, i) for i in range(num_workers)] if name else None
+        ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
         return cls(owner, workers, infos[0], name=name, placement=placement)
 
     @classmethod

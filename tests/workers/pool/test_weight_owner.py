@@ -229,3 +229,12 @@ def test_one_worker_without_a_copy_says_what_is_lost(cluster):
         assert_serves(pool, streamed, again)
     finally:
         pool.shutdown()
+
+
+def test_a_restarted_owner_counts_on_and_finds_its_workers(pool, tmp_path):
+    first = pool.update_weights(save(perturbed(15), tmp_path / "a"))
+    ray.kill(pool.owner, no_restart=False)  # Ray restarts it; its state is in the GCS, its workers found by name
+    path = save(perturbed(16), tmp_path / "b")
+    second = pool.update_weights(path)
+    assert second > first
+    assert_serves(pool, load_model(path, backend="torch"), second)
