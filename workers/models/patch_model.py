@@ -4,6 +4,8 @@ After `patch_model(model)`, `model(input_ids, attention_mask=..., position_ids=.
 decoder body only and scores its last hidden states with the fused head against the next tokens:
 log_probs[b, t] = log p(input_ids[b, t + 1] | input_ids[b, : t + 1]), and entropy[b, t] that distribution's
 entropy; both [B, T], fp32, and 0 where there is no next token (the last position, padding on either side).
+`scored` ([N] indices into the flattened [B * T] positions) sends only those positions through the head and
+returns [N] results; `compute_entropy=False` skips the entropy (None).
 Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
 takes its label from, another sequence. On CUDA, packed rows of 1024 tokens or more run flex_attention (it skips
 masked blocks) whatever the model was loaded with; other calls keep the model's own attention. No [B, T, V]
@@ -103,6 +105,8 @@ def _forward_for_ppo(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     temperature: float | Tensor = 1.0,
+    scored: Tensor | None = None,
+    compute_entropy: bool = True,
     *,
     backend: Backend,
     softcap: float | None,
@@ -137,8 +141,14 @@ def _forward_for_ppo(
         self.config._attn_implementation = attn
     hidden = body.last_hidden_state  # [B, T, H]
     weight = self.get_output_embeddings().weight  # [V, H]
+    if scored is not None:  # only these positions reach the head (CCE's compaction): [N] flat indices into [B * T]
+        hidden = hidden.reshape(-1, hidden.shape[-1])[scored]  # [N, H]
+        labels = labels.reshape(-1)[scored]
+        if isinstance(temperature, Tensor):
+            temperature = temperature.reshape(-1)[scored]
     log_probs, entropy = fused_log_probs(
-        hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap
+        hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap,
+        compute_entropy=compute_entropy,
     )
     return CausalLMOutputForPPO(
         log_probs=log_probs, entropy=entropy, hidden_states=body.hidden_states, attentions=body.attentions

@@ -226,13 +226,16 @@ class LogProbWorker(WeightsHolder):
             positions[real] -= np.repeat(at, lengths)
             positions[real.size :] -= real.size
             inputs["position_ids"] = positions
-        out = self._forward(**{k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()})
-        # entry k of sequence i scores token at + s + k, predicted at position at + s + k - 1
+        # entry k of sequence i scores token at + s + k, predicted at position at + s + k - 1: only those positions
+        # reach the head (a prompt's positions cost no head GEMM)
         src = ragged_index(at + starts - 1, lengths - starts)
         dst = ragged_index(offsets[:-1][group], lengths - starts)
-        log_probs[dst] = out.log_probs.reshape(-1).cpu().numpy()[src]
+        tensors = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
+        tensors["scored"] = torch.from_numpy(src).to(self.device)
+        out = self._forward(**tensors, compute_entropy=entropy is not None)
+        log_probs[dst] = out.log_probs.cpu().numpy()
         if entropy is not None:
-            entropy[dst] = out.entropy.reshape(-1).cpu().numpy()[src]
+            entropy[dst] = out.entropy.cpu().numpy()
         self.stats["rows"] += 1
         self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
         return cost

@@ -171,6 +171,30 @@ def test_packed_row_with_padding_at_the_end():
         model(input_ids=ids.expand(2, -1), attention_mask=mask, position_ids=positions.expand(2, -1))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_only_the_scored_positions_reach_the_head(packed):
+    """`scored` gives the same bits as scoring every position and picking those; no entropy when not asked for."""
+    model = patch_model(tiny("llama"), backend="torch")
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (9, 4, 13)]
+    if packed:
+        ids, positions = pack(seqs)
+        inputs = dict(input_ids=ids, position_ids=positions)
+    else:
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        inputs = dict(input_ids=ids, attention_mask=(torch.arange(13) < torch.tensor([9, 4, 13])[:, None]).long())
+    temperature = torch.rand(ids.shape, generator=g) + 0.5
+    scored = torch.tensor([3, 5, 7, 2, 17, 20, 24])  # flat positions into [B * T] (26 or 39 of them)
+    with torch.no_grad():
+        everything = model(**inputs, temperature=temperature)
+        some = model(**inputs, temperature=temperature, scored=scored)
+        no_entropy = model(**inputs, temperature=temperature, scored=scored, compute_entropy=False)
+    assert some.log_probs.shape == (7,) and no_entropy.entropy is None
+    assert torch.equal(some.log_probs, everything.log_probs.reshape(-1)[scored])
+    assert torch.equal(some.entropy, everything.entropy.reshape(-1)[scored])
+    assert torch.equal(no_entropy.log_probs, some.log_probs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("lengths", "attention"), [((130, 7, 64), "sdpa"), ((700, 7, 400), "flex_attention")])
