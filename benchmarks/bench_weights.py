@@ -1,14 +1,15 @@
 """Weight updates of a one-worker pool per source, beside the raw limit of each medium measured in the same run.
 
-Sources: a checkpoint directory (`pool.update_weights(path)`, page cache warm), a trainer's GPU tensors streamed
-through an open `pool.weight_sender()` (NCCL), and a CUDA state dict passed to `pool.update_weights(state_dict)`
-(a sender opened and closed per call). Raw limits: a plain torch copy of the same bytes from GPU 0 to GPU 1, an NCCL
-broadcast of the same bytes over the sender's own group, and, for the checkpoint, the page-cache read rate of its
-shards (8 threads, into pinned memory) and the pinned host-to-device copy rate, both in the worker's process.
+Sources: a checkpoint directory (`pool.update_weights(path)`, page cache warm), a trainer's GPU tensors sent
+through an open `pool.weight_sender()`, and a CUDA state dict passed to `pool.update_weights(state_dict)` (a sender
+opened and closed per call). With two GPUs the trainer holds GPU 0 and the worker GPU 1 (NCCL); with one they share
+it (CUDA IPC). Raw limits: a plain torch copy of the same bytes from GPU 0 to GPU 1 (or within the one GPU), an NCCL
+broadcast of the same bytes over the sender's own group (two GPUs), and, for the checkpoint, the page-cache read rate
+of its shards (8 threads, into pinned memory) and the pinned host-to-device copy rate, both in the worker's process.
 
   python benchmarks/bench_pool.py --save-random /tmp/q7
   python benchmarks/bench_weights.py --model /tmp/q7 --out weights.json     # nvidia-h200-x2
-  python benchmarks/bench_weights.py --model /tmp/q7 --checkpoint-only    # one GPU: no trainer, no stream
+  python benchmarks/bench_weights.py --model /tmp/q7 --checkpoint-only    # the checkpoint alone
   python benchmarks/bench_weights.py                                        # CPU dry run: tiny, gloo
 """
 
@@ -103,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
-    args.checkpoint_only |= bool(gpus == 1)  # a trainer and a worker on one GPU cannot share an NCCL group
+    share = 0.5 if gpus == 1 else 1  # one GPU: the trainer and the worker share it
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
     path = args.model
     if tiny:  # a checkpoint of the tiny model to read
@@ -116,9 +117,10 @@ def main() -> None:
     ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     if not args.checkpoint_only:
         dtype = None if tiny else "bfloat16"
-        trainer = ray.remote(Trainer).options(num_gpus=1 if gpus else 0).remote(args.model, dtype)
+        trainer = ray.remote(Trainer).options(num_gpus=share if gpus else 0).remote(args.model, dtype)
         ray.get(trainer.__ray_ready__.remote())
-    pool = WorkerPool.create(path, 1, max_tokens_per_batch=4096, local_copy=False, **options)
+    pool = WorkerPool.create(path, 1, num_gpus_per_worker=share if gpus else 0, max_tokens_per_batch=4096,
+                             local_copy=False, **options)
     worker = pool.workers[0]
     nbytes = ray.get(worker.__ray_call__.remote(lambda w: sum(p.nbytes for p in w.model.parameters())))
     results = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(0) if gpus else "cpu",
@@ -139,20 +141,22 @@ def main() -> None:
 def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, args) -> None:
     """The trainer's sources and the raw limits of GPU-to-GPU transfer."""
     ray.get(trainer.connect.remote(pool, args.bucket_mib))
+    results["sender"] = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.backend))
     sends = [ray.get(trainer.step.remote())[1] for _ in range(args.reps + 1)][1:]
     results["sources"]["trainer_stream"] = rate(statistics.median(sends))
     dicts = [ray.get(trainer.update_with_state_dict.remote(pool)) for _ in range(args.reps + 1)][1:]
     results["sources"]["state_dict"] = rate(statistics.median(dicts))
 
-    group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.spec.name))
     gpus = torch.cuda.device_count()
-    receiving = worker.__ray_call__.remote(receive_raw, group, nbytes, args.reps)
-    results["raw"]["broadcast"] = rate(ray.get(trainer.__ray_call__.remote(broadcast_raw, nbytes, args.reps)))
-    ray.get(receiving)
-    if gpus >= 2:
+    if results["sender"] != "ipc":
+        group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.spec.name))
+        receiving = worker.__ray_call__.remote(receive_raw, group, nbytes, args.reps)
+        results["raw"]["broadcast"] = rate(ray.get(trainer.__ray_call__.remote(broadcast_raw, nbytes, args.reps)))
+        ray.get(receiving)
+    if gpus:
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
-        dst = torch.empty_like(src, device="cuda:1")
-        copy = rate(median_seconds(lambda: (dst.copy_(src), torch.cuda.synchronize(1)), args.reps))
+        dst = torch.empty_like(src, device=f"cuda:{min(gpus, 2) - 1}")  # to the other GPU, or within the one
+        copy = rate(median_seconds(lambda: (dst.copy_(src), torch.cuda.synchronize(dst.device)), args.reps))
         results["raw"]["gpu_copy"] = copy
         del src, dst
     ray.get(trainer.close.remote())

@@ -83,6 +83,14 @@ def bucket_length(tokens: int, limit: int) -> int:
     return min(size, max(limit, tokens))
 
 
+def gpu_uuid(device) -> str | None:
+    """The GPU's UUID (the same in every process, however CUDA_VISIBLE_DEVICES numbers it); None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
+
 def restored(restore: dict, **load_options) -> tuple[torch.nn.Module, int | None]:
     """A restarted worker's model and weights version: from its pool's current checkpoint while that exists; else
     built from the model's config and read from the local copy; else without weights (version None) until its
@@ -142,6 +150,7 @@ class LogProbWorker(WeightsHolder):
             node_id=node,
             vocab_size=self.model.config.vocab_size,
             device=str(self.device),
+            gpu=gpu_uuid(self.device),
             weights_version=self.weights_version,
             max_tokens_per_batch=self.max_tokens_per_batch,
             pid=os.getpid(),

@@ -139,6 +139,25 @@ class WeightOwner:
         self.streams[version] = asyncio.create_task(land())
         return version, layouts[0]
 
+    async def plan(self, shapes: dict, full: bool = False):
+        """The staging layout of an update with these names and shapes (IncompatibleWeights when it does not fit)."""
+        try:
+            return await self._pool()[0].layout_for.remote(shapes, full)
+        except Exception as e:
+            raise cause(e) from None
+
+    async def update_shared(self, shared: list, layout) -> int:
+        """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
+        async with self.lock:
+            version = self._next_version()
+            return await self._land([w.stage_shared.remote(shared, layout, version) for w in self._pool()], version,
+                                    {"stream": True})
+
+    async def devices(self) -> list[str]:
+        """Each worker's GPU (its UUID), or its device when it has none."""
+        infos = await asyncio.gather(*(w.info.remote() for w in self._pool()))
+        return [i["gpu"] or i["device"] for i in infos]
+
     async def finish_stream(self, version: int) -> int:
         return await self.streams.pop(version)
 

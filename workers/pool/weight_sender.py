@@ -5,7 +5,9 @@
 
 The tensors may be a full or partial set, in any dtype (they are converted to the workers' dtypes bucket by bucket),
 CUDA tensors (NCCL, GPU to GPU) or host tensors (gloo), or FSDP2 DTensor shards (each gathered whole as its bucket
-is sent; the trainer's other ranks must iterate the same parameters calling `full_tensor()` alongside).
+is sent; the trainer's other ranks must iterate the same parameters calling `full_tensor()` alongside). A trainer
+colocated with the workers on its own GPU (NCCL cannot join two processes of one GPU) shares its buckets by CUDA
+IPC handles instead, and the workers copy them device to device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import ray
 import torch
 
 from ..errors import UpdateFailed, get
-from ..weights.transfer import BUCKET_BYTES, GroupSpec, broadcast_tensors, open_group, serve_store
+from ..weights.transfer import BUCKET_BYTES, GroupSpec, broadcast_tensors, open_group, serve_store, share_buckets
+from .log_prob_worker import gpu_uuid
 
 
 class WeightSender:
@@ -29,10 +32,21 @@ class WeightSender:
         self.backend = "nccl" if device.type == "cuda" and workers_on_cuda else "gloo"
         if self.backend == "gloo":
             self.device = torch.device("cpu")
+        else:
+            mine, theirs = gpu_uuid(device), get(owner.devices.remote())
+            if mine in theirs:
+                if any(gpu != mine for gpu in theirs):
+                    raise ValueError(
+                        f"some of the pool's workers share this sender's GPU ({device}) and others do not; send from "
+                        "a GPU that no worker uses, or update from a checkpoint path"
+                    )
+                self.backend = "ipc"
         self.bucket_bytes = bucket_bytes or BUCKET_BYTES
         self.timeout_s = timeout_s
         self.group = None
-        self._open()
+        self.closed = False
+        if self.backend != "ipc":
+            self._open()
 
     def _open(self) -> None:
         store = serve_store(self.timeout_s)
@@ -49,25 +63,35 @@ class WeightSender:
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Streams these tensors into every worker and returns the new weights_version once all have them; raises
         IncompatibleWeights (nothing sent) or UpdateFailed (nothing changed) otherwise."""
-        if self.group is None:
+        if self.closed:
             raise UpdateFailed("this weight sender is closed")
         tensors = named if isinstance(named, Mapping) else dict(named)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        if self.backend == "ipc":
+            layout = get(self.owner.plan.remote(shapes))
+            shared, alive = share_buckets(tensors, layout, self.device, self.bucket_bytes)
+            version = get(self.owner.update_shared.remote(shared, layout))
+            del alive  # the workers have staged them
+            return version
         try:
             version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
-            self.close()
+            self._drop_group()
             self._open()
             version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
         try:
             broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
         except Exception:
-            self.close()  # the receivers' broadcasts fail with the group, and the owner aborts the update
+            self._drop_group()  # the receivers' broadcasts fail with the group, and the owner aborts the update
             get(self.owner.finish_stream.remote(version))
             raise
         return get(self.owner.finish_stream.remote(version))
 
     def close(self) -> None:
+        self.closed = True
+        self._drop_group()
+
+    def _drop_group(self) -> None:
         if self.group is not None:
             self.group = None
             self._store = None

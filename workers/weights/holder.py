@@ -12,7 +12,7 @@ from ..errors import UpdateFailed
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
 from .staging import Layout, StagedWeights, match_model
-from .transfer import GroupSpec, broadcast_tensors, open_group, receive_tensors, serve_store
+from .transfer import GroupSpec, broadcast_tensors, open_group, receive_shared, receive_tensors, serve_store
 
 
 class WeightsHolder:
@@ -72,6 +72,12 @@ class WeightsHolder:
         except Exception as e:
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
+        self._staged = (version, staged, None)
+
+    def stage_shared(self, shared: list, layout: Layout, version: int) -> None:
+        """Weights from a sender on this worker's own GPU, as CUDA IPC handles (see transfer.share_buckets)."""
+        staged = StagedWeights(layout, self._device)
+        receive_shared(shared, staged)
         self._staged = (version, staged, None)
 
     def commit(self, version: int) -> int:

@@ -128,3 +128,41 @@ def receive_tensors(group: dist.ProcessGroup, staged: StagedWeights, bucket_byte
         group.broadcast([staged.buffer[lo:hi]], _root0()).wait()
     if staged.device.type == "cuda":
         torch.cuda.synchronize(staged.device)
+
+
+def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.device,
+                  bucket_bytes: int = BUCKET_BYTES) -> tuple[list[tuple[int, int, tuple]], list[Tensor]]:
+    """The sender's side when its workers share its GPU (no NCCL between two processes of one GPU): each bucket as
+    a CUDA IPC handle, (lo, hi, handle) into the staging layout, and the tensors shared, which the caller keeps
+    alive until the workers have staged them. A bucket holding one tensor already in the workers' dtype is shared
+    as it is; the others are packed into new buffers."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    shared, keep = [], []
+    for bucket in buckets(layout, bucket_bytes):
+        lo, hi = _span(bucket)
+        first = _as_full(tensors[bucket[0].name])
+        if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
+            data = first.detach().view(-1).view(torch.uint8)
+        else:
+            data = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+            for entry in bucket:
+                view = data[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
+                view.copy_(_as_full(tensors[entry.name]))
+        shared.append((lo, hi, reduce_tensor(data)[1]))
+        keep.append(data)
+    torch.cuda.synchronize(device)
+    return shared, keep
+
+
+@torch.no_grad()
+def receive_shared(shared: list[tuple[int, int, tuple]], staged: StagedWeights) -> None:
+    """A receiver's side of share_buckets: each shared bucket copied into the staging buffer (device to device)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    device = torch.cuda.current_device()
+    for lo, hi, handle in shared:
+        handle = list(handle)
+        handle[6] = device  # the storage's device, as this process numbers it (the same GPU)
+        staged.buffer[lo:hi].copy_(rebuild_cuda_tensor(*handle))
+    torch.cuda.synchronize()

@@ -1,5 +1,6 @@
-"""Weight updates into CUDA workers: checkpoints through pinned buffers, and NCCL streams from a trainer's GPU
-(two GPUs: the trainer is this process on the last GPU, the worker gets the first). Skipped without CUDA."""
+"""Weight updates into CUDA workers: checkpoints through pinned buffers, NCCL streams from a trainer's GPU (two GPUs:
+the trainer is this process on the last GPU, the worker gets the first), and CUDA IPC from a trainer on the worker's
+own GPU. Skipped without CUDA."""
 
 import pytest
 import ray
@@ -59,6 +60,24 @@ def test_a_trainer_streams_over_nccl(cluster):
         for name in got:
             expected = head.to(torch.bfloat16).cpu() if name == "lm_head.weight" else got[name]
             assert torch.equal(got2[name], expected), name
+        assert {r.weights_version for r in pool.compute_log_probs([[1, 2, 3, 4]])} == {2}
+    finally:
+        pool.shutdown()
+
+
+def test_a_trainer_on_the_workers_gpu_shares_its_buckets_by_ipc(cluster):
+    pool = WorkerPool.create("tiny", 1, dtype=torch.bfloat16, local_copy=False)  # on GPU 0, as Ray numbers it
+    try:
+        model = perturbed(3, "cuda:0")  # this process on the same GPU: NCCL cannot join the two
+        with pool.weight_sender(device="cuda:0", bucket_bytes=64 << 10) as sender:
+            assert sender.backend == "ipc"
+            assert sender.send(model.named_parameters()) == 1
+        got = weights_of(pool.workers[0])
+        for name, p in model.named_parameters():
+            assert torch.equal(got[name], p.detach().to(torch.bfloat16).cpu()), name
+        head = {"lm_head.weight": torch.randn(503, 64, device="cuda:0", dtype=torch.bfloat16)}
+        assert pool.update_weights(head) == 2  # a CUDA state dict, partial, the same way
+        assert torch.equal(weights_of(pool.workers[0])["lm_head.weight"], head["lm_head.weight"].cpu())
         assert {r.weights_version for r in pool.compute_log_probs([[1, 2, 3, 4]])} == {2}
     finally:
         pool.shutdown()
