@@ -4,7 +4,8 @@ trainer process sends the policy's new weights; the step's time split into scori
 Layout on a two-GPU machine: the trainer is a Ray actor holding the policy (bf16) on GPU 0; the policy and the
 reference workers share GPU 1 (half a GPU each in Ray's accounting, so they score concurrently on one device).
 The trainer nudges every parameter in place each step (an optimizer step's worth of change) and streams them
-over NCCL through `pool.weight_sender()`; the policy worker stages them beside its weights and commits.
+over NCCL through `pool.weight_sender()`; the policy worker stages them beside its weights and commits. On one
+GPU the three share it (a third each) and the weights go by CUDA IPC.
 
   python benchmarks/bench_pool.py --save-random /tmp/q7                 # a random Qwen2.5-7B-shaped checkpoint
   python benchmarks/bench_ppo_step.py --model /tmp/q7 --out step.json   # nvidia-h200-x2
@@ -62,7 +63,7 @@ class Trainer:
 
 
 def make_pools(model: str, options: dict, gpus: int, max_tokens: int) -> tuple[WorkerPool, WorkerPool]:
-    share = 0.5 if gpus else 0  # both pools on the GPU the trainer does not hold
+    share = {0: 0, 1: 1 / 3}.get(gpus, 0.5)  # both pools on the GPU the trainer does not hold, or beside it
     return tuple(
         WorkerPool.create(model, 1, num_gpus_per_worker=share, max_tokens_per_batch=max_tokens, name=name,
                           local_copy=False, **options)
@@ -87,7 +88,8 @@ def main() -> None:
     tokens = sum(len(s) for s in seqs)
 
     ray.init(num_cpus=max(4, os.cpu_count() or 1), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    trainer = ray.remote(Trainer).options(num_gpus=1 if gpus else 0).remote(args.model, None if tiny else "bfloat16")
+    trainer_gpus = {0: 0, 1: 1 / 3}.get(gpus, 1)
+    trainer = ray.remote(Trainer).options(num_gpus=trainer_gpus).remote(args.model, None if tiny else "bfloat16")
     ray.get(trainer.__ray_ready__.remote())  # the trainer takes its GPU first; the workers share the other
     policy, reference = make_pools(args.model, options, gpus, args.max_tokens)
     nbytes = ray.get(trainer.connect.remote(policy, args.bucket_mib))
@@ -111,7 +113,8 @@ def main() -> None:
         model=args.model, rollouts=len(seqs), tokens=tokens, weight_bytes=nbytes, steps=steps, median=median,
         scoring_tokens_per_s=2 * tokens / median["scoring_s"], sync_gib_per_s=nbytes / median["send_s"] / 2**30,
         sync_share=median["sync_s"] / median["total_s"], state_dict_update_s=state_dict_s,
-        layout="trainer on GPU 0; policy and reference workers on GPU 1, half a GPU each" if gpus else "CPU, gloo",
+        layout={0: "CPU, gloo", 1: "trainer, policy and reference workers on one GPU (CUDA IPC)"}.get(
+            gpus, "trainer on GPU 0; policy and reference workers on GPU 1, half a GPU each (NCCL)"),
     )
     ray.get(trainer.close.remote())
     for p in (policy, reference):
