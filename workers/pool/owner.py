@@ -38,9 +38,8 @@ class WeightOwner:
     def __init__(self, key: str, model: str) -> None:
         self.key = key
         saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-        state = json.loads(saved) if saved else {"version": 0, "last": 0, "source": {"path": model}}
+        state = json.loads(saved) if saved else {"version": 0, "source": {"path": model}}
         self.version: int = state["version"]  # the version every worker serves once its commit landed
-        self.last: int = state["last"]  # the last version handed out, landed or not: never reused
         self.source: dict = state["source"]  # {"path": checkpoint} or {"stream": True}
         self.config: dict | None = state.get("config")  # to rebuild a worker whose checkpoint is gone
         self.names: list[str] | None = state.get("names")  # the workers' actor names, for a named pool
@@ -54,7 +53,7 @@ class WeightOwner:
         self.streams: dict[int, asyncio.Task] = {}
 
     def _save(self) -> None:
-        state = json.dumps({"version": self.version, "last": self.last, "source": self.source,
+        state = json.dumps({"version": self.version, "source": self.source,
                             "config": self.config, "names": self.names}, default=str)
         ray.experimental.internal_kv._internal_kv_put(self.key, state, overwrite=True, namespace=NAMESPACE)
 
@@ -84,11 +83,6 @@ class WeightOwner:
             self.source = {**self.source, "keep": path}
             self._save()
 
-    def _next_version(self) -> int:
-        self.last += 1
-        self._save()
-        return self.last
-
     async def _land(self, staging: list, version: int, source: dict) -> int:
         """Waits for every worker's staging call; commits everywhere if all succeeded, else aborts everywhere and
         raises the first failure (a BadWeights before any other)."""
@@ -107,7 +101,7 @@ class WeightOwner:
 
     async def update_from_path(self, path: str) -> int:
         async with self.lock:
-            version = self._next_version()
+            version = self.version + 1  # updates are serialised: the next one, unless this one fails
             return await self._land([w.stage_checkpoint.remote(path, version) for w in self._pool()], version,
                                     {"path": path})
 
@@ -127,7 +121,7 @@ class WeightOwner:
         except Exception as e:
             self.lock.release()
             raise cause(e) from None
-        version = self._next_version()
+        version = self.version + 1
         staging = [w.stage_stream.remote(group, layouts[0], version, bucket_bytes) for w in self.workers]
 
         async def land() -> int:
@@ -149,7 +143,7 @@ class WeightOwner:
     async def update_shared(self, shared: list, layout) -> int:
         """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
         async with self.lock:
-            version = self._next_version()
+            version = self.version + 1
             return await self._land([w.stage_shared.remote(shared, layout, version) for w in self._pool()], version,
                                     {"stream": True})
 

@@ -144,6 +144,7 @@ def test_refused_updates_change_nothing(pool, tmp_path):
         with pytest.raises(error, match=message):
             pool.update_weights(weights)
     assert_serves(pool, load_model(path, backend="torch"), 1)
+    assert pool.update_weights(path) == 2  # a refused update took no version
 
 
 def test_restarted_workers_come_back_with_the_current_weights(pool, tmp_path):
