@@ -3,7 +3,8 @@
 Fixed batch (8 x 4096 tokens): the decoder body alone, HF full logits -> log_softmax (naive), and the patched
 model (fused head). Mixed lengths (32 rollouts, prompt 512 + response 64..4000 tokens, arrival order): naive HF
 on right-padded batches of 2 / 4 / 8, the patched model on padded batches of 8, and the patched model on packed
-rows (flex_attention, one compiled shape per row length). Prints tokens/s and peak memory beyond the model.
+rows, attending through flex_attention (one compiled shape per row length) and through varlen attention (one
+FlashAttention varlen call per row). Prints tokens/s and peak memory beyond the model.
 
   python benchmarks/bench_model.py --out model.json     # Qwen2.5-7B shape, random bf16 weights, on CUDA
   python benchmarks/bench_model.py --tiny               # a dry run of every path on the CPU, tiny config
@@ -119,7 +120,8 @@ def main() -> None:
     reps = 1 if args.tiny else 3
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
     model.config._attn_implementation = args.attn
-    patch_model(model, backend="torch" if args.tiny else "auto")
+    backend = "torch" if args.tiny else "auto"
+    patch_model(model, backend=backend)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     results, meta = [], dict(date=time.strftime("%Y-%m-%d"), device=device, torch=torch.__version__)
@@ -164,13 +166,14 @@ def main() -> None:
             batches = list(padded_batches(seqs, 8, device))
             s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
             record("mixed", f"fused padded x8 ({args.attn})", real, s, p)
-            model.config._attn_implementation = "flex_attention"
-            for r in row_sizes:
-                rows = list(packed_rows(seqs, r, device))
-                fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
-                s, p = timed(fn, device, reps)
-                record("mixed", f"fused packed rows of {r} (flex)", real, s, p, rows=len(rows))
-            model.config._attn_implementation = args.attn
+            for attention in ("flex", "varlen"):  # how packed rows attend (patch_model's packed_attention)
+                patch_model(model, backend=backend, packed_attention=attention)
+                for r in row_sizes:
+                    rows = list(packed_rows(seqs, r, device))
+                    fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
+                    s, p = timed(fn, device, reps)
+                    record("mixed", f"fused packed rows of {r} ({attention})", real, s, p, rows=len(rows))
+            patch_model(model, backend=backend)
 
     if args.out:
         with open(args.out, "w") as f:

@@ -7,8 +7,9 @@ entropy; both [B, T], fp32, and 0 where there is no next token (the last positio
 `scored` ([N] indices into the flattened [B * T] positions) sends only those positions through the head and
 returns [N] results; `compute_entropy=False` skips the entropy (None).
 Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
-takes its label from, another sequence. On CUDA, packed rows of 1024 tokens or more run flex_attention (it skips
-masked blocks) whatever the model was loaded with; other calls keep the model's own attention. No [B, T, V]
+takes its label from, another sequence. On CUDA packed rows run varlen attention (varlen_attention.py) where the
+model's attention allows it, else flex_attention for rows of 1024 tokens or more (it skips masked blocks);
+other calls keep the model's own attention. No [B, T, V]
 logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +26,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..head import Backend, fused_log_probs
+from . import varlen_attention
 
 _IGNORE = -100
 
@@ -94,9 +97,22 @@ def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, segments
     return labels.masked_fill(~keep, _IGNORE)
 
 
-# Shorter packed rows keep sdpa's dense mask (cheap there). Below 128 queries torch compiles flex_attention as
-# its decoding kernel, which has no valid configuration for some shapes (fp32, head_dim 16: seen on the H200).
+# Without varlen attention, shorter packed rows keep sdpa's dense mask (cheap there). Below 128 queries torch
+# compiles flex_attention as its decoding kernel, which has no valid configuration for some shapes (fp32,
+# head_dim 16: seen on the H200).
 _FLEX_MIN_TOKENS = 1024
+PackedAttention = Literal["auto", "varlen", "flex", "model"]
+
+
+def packed_attention_of(model: nn.Module, device: torch.device, choice: PackedAttention = "auto") -> str:
+    """How packed rows attend: "varlen" (one varlen kernel per row: CUDA, when the model's attention allows),
+    "flex" (flex_attention's block mask for rows of 1024 tokens or more, on CUDA), or "model" (the model's own
+    attention with a dense packed mask). "auto" picks the first that applies."""
+    if choice != "auto":
+        return choice
+    if varlen_attention.supported(model, device):
+        return "varlen"
+    return "flex" if device.type == "cuda" else "model"
 
 
 def _forward_for_ppo(
@@ -110,6 +126,7 @@ def _forward_for_ppo(
     *,
     backend: Backend,
     softcap: float | None,
+    packed_attention: PackedAttention,
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
@@ -130,7 +147,11 @@ def _forward_for_ppo(
                     "after the last real token; give each sequence its own positions from 0 instead"
                 )
         attention_mask = None
-        if input_ids.is_cuda and attn in ("sdpa", "eager") and input_ids.shape[1] >= _FLEX_MIN_TOKENS:
+        how = packed_attention_of(self, input_ids.device, packed_attention)
+        if how == "varlen" and input_ids.shape[0] == 1:
+            self.config._attn_implementation = varlen_attention.NAME
+            kwargs["cu_seq_lens"], kwargs["max_length"] = varlen_attention.cu_seq_lens(position_ids)
+        elif how == "flex" and attn in ("sdpa", "eager") and input_ids.shape[1] >= _FLEX_MIN_TOKENS:
             # a dense [T, T] mask makes sdpa slower than padding; flex_attention skips the masked blocks
             self.config._attn_implementation = "flex_attention"
     try:
@@ -155,8 +176,10 @@ def _forward_for_ppo(
     )
 
 
-def patch_model(model: nn.Module, backend: Backend = "auto") -> nn.Module:
-    """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward."""
+def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: PackedAttention = "auto") -> nn.Module:
+    """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward.
+    `packed_attention`: how packed rows attend (see packed_attention_of)."""
     softcap = head_softcap(model)
-    model.forward = types.MethodType(partial(_forward_for_ppo, backend=backend, softcap=softcap), model)
+    forward = partial(_forward_for_ppo, backend=backend, softcap=softcap, packed_attention=packed_attention)
+    model.forward = types.MethodType(forward, model)
     return model

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import TooLarge, WeightsUnavailable
 from ..models import load_model
+from ..models.patch_model import packed_attention_of
 from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
@@ -132,9 +133,10 @@ class LogProbWorker(WeightsHolder):
         self.max_tokens_per_batch = max_tokens_per_batch
         cuda = str(self.device).startswith("cuda")
         self.layout: Layout = layout or ("packed" if cuda else "padded")
-        # On CUDA, packed rows run compiled flex_attention, compiled once per row length: rows are padded up
-        # to a few bucket lengths so that the kernels compile a handful of times, not once per request.
-        self.row_buckets = cuda if row_buckets is None else row_buckets
+        # Where packed rows run compiled flex_attention (CUDA without varlen attention), it compiles once per row
+        # length: rows are padded up to a few bucket lengths so that it compiles a handful of times, not per request.
+        flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
+        self.row_buckets = flex if row_buckets is None else row_buckets
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
 
     def info(self) -> dict:

@@ -130,12 +130,14 @@ def pack(sequences):
     return ids, positions
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention", "varlen"])
 def test_packed_equals_each_sequence_alone(family, attn):
+    """Packed rows through the model's own attention (a packed mask) or varlen attention (on the CPU its sdpa
+    reference, which takes the same cumulative offsets, grouped heads and windows as the CUDA kernel)."""
     extra = dict(sliding_window=4) if family in ("mistral", "gemma3") else {}  # windows shorter than a sequence
-    model = tiny(family, attn_implementation=attn, **extra)
-    patch_model(model, backend="torch")
+    model = tiny(family, attn_implementation="sdpa" if attn == "varlen" else attn, **extra)
+    patch_model(model, backend="torch", packed_attention="varlen" if attn == "varlen" else "auto")
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randint(3, 97, (n,), generator=g) for n in (9, 1, 6, 12)]
     ids, positions = pack(sequences)
@@ -199,7 +201,7 @@ def test_only_the_scored_positions_reach_the_head(packed):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("lengths", "attention"), [((130, 7, 64), "sdpa"), ((700, 7, 400), "flex_attention")])
 def test_cuda_packed_rows_run_flex_attention_when_long_and_equal_alone(lengths, attention):
-    model = load_model("tiny", dtype=torch.float32, device="cuda")  # head_dim 16: flex_attention's least
+    model = load_model("tiny", dtype=torch.float32, device="cuda")  # fp32: no varlen; head_dim 16: flex's least
     assert model.config._attn_implementation == "sdpa"
     seen = []
     model.base_model.register_forward_pre_hook(lambda *_: seen.append(model.config._attn_implementation))
@@ -216,3 +218,27 @@ def test_cuda_packed_rows_run_flex_attention_when_long_and_equal_alone(lengths, 
             got = packed.log_probs[0, start : start + len(seq)]
             torch.testing.assert_close(got, alone.log_probs[0], rtol=0, atol=1e-4)
             start += len(seq)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_varlen_rows_equal_alone_and_give_a_sequence_its_bits_at_any_offset():
+    model = load_model("tiny", dtype=torch.bfloat16, device="cuda")
+    seen = []
+    model.base_model.register_forward_pre_hook(lambda *_: seen.append(model.config._attn_implementation))
+    g = torch.Generator().manual_seed(6)
+    sequences = [torch.randint(3, 500, (n,), generator=g) for n in (300, 7, 1200, 45)]
+
+    def run(order):
+        ids, positions = pack([sequences[i] for i in order])
+        out = model(input_ids=ids.cuda(), position_ids=positions.cuda()).log_probs[0]
+        at = dict(zip(order, torch.cumsum(torch.tensor([0] + [len(sequences[i]) for i in order]), 0).tolist()))
+        return {i: out[at[i] : at[i] + len(sequences[i])] for i in order}
+
+    with torch.no_grad():
+        forward, backward = run([0, 1, 2, 3]), run([3, 2, 1, 0])
+        assert seen == ["ppo_varlen", "ppo_varlen"]
+        for i, seq in enumerate(sequences):
+            assert torch.equal(forward[i], backward[i]), i  # the same bits at another offset of the row
+            alone = model(input_ids=seq[None].cuda()).log_probs[0]  # sdpa
+            torch.testing.assert_close(forward[i], alone, rtol=0, atol=5e-2)
