@@ -232,8 +232,11 @@ def test_cuda_varlen_rows_equal_alone_and_give_a_sequence_its_bits_at_any_offset
     def run(order):
         ids, positions = pack([sequences[i] for i in order])
         out = model(input_ids=ids.cuda(), position_ids=positions.cuda()).log_probs[0]
-        at = dict(zip(order, torch.cumsum(torch.tensor([0] + [len(sequences[i]) for i in order]), 0).tolist()))
-        return {i: out[at[i] : at[i] + len(sequences[i])] for i in order}
+        found, at = {}, 0
+        for i in order:
+            found[i] = out[at : at + len(sequences[i])]
+            at += len(sequences[i])
+        return found
 
     with torch.no_grad():
         forward, backward = run([0, 1, 2, 3]), run([3, 2, 1, 0])
