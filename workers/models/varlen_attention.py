@@ -17,6 +17,14 @@ from transformers import AttentionInterface
 NAME = "ppo_varlen"
 
 
+def _kernel_exists() -> bool:
+    try:
+        import torch.nn.attention.varlen  # noqa: F401  (a submodule: not an attribute until imported)
+    except ImportError:
+        return False
+    return True
+
+
 def supported(model: nn.Module, device: torch.device) -> bool:
     """The kernel runs here, for this model's attention (16-bit, no attention-logit softcap, a head size it takes)."""
     config = model.config
@@ -24,7 +32,7 @@ def supported(model: nn.Module, device: torch.device) -> bool:
     return (
         device.type == "cuda"
         and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-        and hasattr(torch.nn.attention, "varlen")
+        and _kernel_exists()
         and getattr(config, "attn_logit_softcapping", None) is None
         and head_dim % 8 == 0
         and head_dim <= 256
