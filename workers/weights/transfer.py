@@ -11,6 +11,7 @@ already contiguous and in the workers' dtype is broadcast straight from it, the 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -90,29 +91,47 @@ def _as_full(tensor: Tensor) -> Tensor:
     return full() if callable(full) else tensor
 
 
+def _bucket_bytes(bucket: tuple[Entry, ...], tensors: dict[str, Tensor], device: torch.device,
+                  buffer: Callable[[int], Tensor]) -> tuple[Tensor, bool]:
+    """The bucket as bytes on `device`, and whether it was packed: a one-tensor bucket already contiguous, in the
+    workers' dtype and on `device` as it is; otherwise its tensors converted into buffer(its bytes). Each tensor is
+    gathered (FSDP2) once."""
+    lo, hi = _span(bucket)
+    first = _as_full(tensors[bucket[0].name])
+    if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
+        return first.detach().view(-1).view(torch.uint8), False
+    data = buffer(hi - lo)
+    for entry in bucket:
+        src = first if entry is bucket[0] else _as_full(tensors[entry.name])
+        view = data[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
+        view.copy_(src, non_blocking=True)
+    return data, True
+
+
 @torch.no_grad()
 def broadcast_tensors(group: dist.ProcessGroup, tensors: dict[str, Tensor], layout: Layout, device: torch.device,
                       bucket_bytes: int = BUCKET_BYTES) -> None:
-    """Rank 0's side: every entry of `layout` from `tensors[name]`, converted to the entry's dtype on `device`."""
-    plan = buckets(layout, bucket_bytes)
-    largest = max((_span(b)[1] - _span(b)[0] for b in plan if len(b) > 1), default=0)
-    packs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(2)] if largest else []
+    """Rank 0's side: every entry of `layout` from `tensors[name]`, converted to the entry's dtype on `device`.
+    Packed buckets alternate between two buffers, so one is filled while the other is on the wire."""
+    packs: list[Tensor | None] = [None, None]
     works: list = [None, None]  # the broadcast last sent from each pack buffer
-    for i, bucket in enumerate(plan):
-        lo, hi = _span(bucket)
-        first = _as_full(tensors[bucket[0].name])
-        if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
-            group.broadcast([first.view(-1).view(torch.uint8)], _root0()).wait()
-            continue
+
+    for i, bucket in enumerate(buckets(layout, bucket_bytes)):
         k = i % 2
-        if works[k] is not None:
-            works[k].wait()  # the pack buffer is free again
-        pack = packs[k][: hi - lo] if packs else torch.empty(hi - lo, dtype=torch.uint8, device=device)
-        for entry in bucket:
-            src = _as_full(tensors[entry.name])
-            view = pack[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
-            view.copy_(src, non_blocking=True)
-        works[k] = group.broadcast([pack], _root0())
+
+        def free_pack(nbytes: int, k: int = k) -> Tensor:
+            if works[k] is not None:
+                works[k].wait()  # the pack buffer is free again
+            if packs[k] is None or packs[k].numel() < nbytes:
+                packs[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return packs[k][:nbytes]
+
+        data, packed = _bucket_bytes(bucket, tensors, device, free_pack)
+        work = group.broadcast([data], _root0())
+        if packed:
+            works[k] = work
+        else:
+            work.wait()
     for work in works:
         if work is not None:
             work.wait()
@@ -141,14 +160,7 @@ def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.devi
     shared, keep = [], []
     for bucket in buckets(layout, bucket_bytes):
         lo, hi = _span(bucket)
-        first = _as_full(tensors[bucket[0].name])
-        if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
-            data = first.detach().view(-1).view(torch.uint8)
-        else:
-            data = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-            for entry in bucket:
-                view = data[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
-                view.copy_(_as_full(tensors[entry.name]))
+        data, _ = _bucket_bytes(bucket, tensors, device, lambda n: torch.empty(n, dtype=torch.uint8, device=device))
         shared.append((lo, hi, reduce_tensor(data)[1]))
         keep.append(data)
     torch.cuda.synchronize(device)

@@ -33,6 +33,7 @@ def test_two_receivers_get_the_senders_tensors(bucket_bytes):
         "c": torch.randn(257, generator=g).to(torch.bfloat16),
         "d": torch.randn(1, generator=g),
         "e": torch.randn(31, 9, generator=g).to(torch.bfloat16),
+        "f": torch.randn(1000, generator=g),  # alone in its bucket, converted: more than any packed bucket holds
     }
     layout = Layout.of([(n, tuple(t.shape), torch.bfloat16 if n != "d" else torch.float32) for n, t in sources.items()])
     store = serve_store(60)
