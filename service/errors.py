@@ -26,6 +26,7 @@ from ppo_logprobs.workers.errors import (
     WeightsUnavailable,
     WorkerLost,
     cause,
+    clip,
 )
 
 from .batcher import Overloaded, WorkersTimedOut
@@ -46,8 +47,7 @@ class NonFiniteResults(RuntimeError):
 
 
 def one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(_ANSI.sub("", text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
+    return clip(" ".join(_ANSI.sub("", text).split()), limit)
 
 
 def _validation_detail(errors: list[dict]) -> str:

@@ -4,6 +4,11 @@ failure is: the request's (bad weights, bad input), or a transient state of the 
 from __future__ import annotations
 
 
+def clip(text: str, limit: int) -> str:
+    """text cut to `limit` characters (user strings echoed in messages)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class RequestError(ValueError):
     """Bad input, before any device work; the message names the field, the sequence and the value."""
 

@@ -13,7 +13,7 @@ from itertools import chain
 
 import numpy as np
 
-from .errors import RequestError, TooLarge
+from .errors import RequestError, TooLarge, clip
 
 # Temperatures outside this range are refused: far below it the scaled logits overflow fp32 (NaN), far above it
 # every distribution is uniform to fp32 precision.
@@ -22,8 +22,7 @@ MAX_TEMPERATURE = 1e2
 
 
 def _value(x) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:60] + "..."
+    return clip(repr(x), 60)
 
 
 def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:

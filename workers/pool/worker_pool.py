@@ -61,9 +61,9 @@ def balance_by_tokens(lengths: np.ndarray, num_shares: int) -> list[np.ndarray]:
     """Sequence indices split into num_shares arrays of about equal token counts: longest first to the lightest
     share; for many sequences, consecutive runs of the longest-first order of about equal tokens."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")
     if num_shares == 1:
         return [np.arange(len(lengths))]
+    order = np.argsort(-lengths, kind="stable")
     if len(lengths) > 4096:
         cuts = np.searchsorted(np.cumsum(lengths[order]), lengths.sum() * np.arange(1, num_shares) / num_shares)
         return [np.sort(part) for part in np.split(order, cuts)]

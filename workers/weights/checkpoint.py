@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
+from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
 from .staging import Layout, StagedWeights, match_model
 
 _DTYPES = {
@@ -37,11 +37,6 @@ class TensorSpec:
     shape: tuple[int, ...]
     start: int  # absolute byte offsets in the file
     end: int
-
-
-def _short(path: str | os.PathLike) -> str:
-    text = str(path)
-    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _read_header(file: Path) -> dict[str, TensorSpec]:
@@ -85,16 +80,16 @@ def read_index(path: str) -> dict[str, TensorSpec]:
     Raises CheckpointNotFound (no such directory) or InvalidCheckpoint (no shards, bad header, truncated shard).
     """
     if "\x00" in path:
-        raise CheckpointNotFound(f"no checkpoint directory at {_short(path)!r}")
+        raise CheckpointNotFound(f"no checkpoint directory at {clip(path, 200)!r}")
     root = Path(path)
     try:
         if not root.is_dir():
-            raise CheckpointNotFound(f"no checkpoint directory at {_short(path)!r}")
+            raise CheckpointNotFound(f"no checkpoint directory at {clip(path, 200)!r}")
         files = sorted(root.glob("*.safetensors"))
     except OSError as e:
-        raise CheckpointNotFound(f"cannot read the checkpoint directory {_short(path)!r}: {e.strerror}") from None
+        raise CheckpointNotFound(f"cannot read the checkpoint directory {clip(path, 200)!r}: {e.strerror}") from None
     if not files:
-        raise InvalidCheckpoint(f"{_short(path)!r} has no *.safetensors weights")
+        raise InvalidCheckpoint(f"{clip(path, 200)!r} has no *.safetensors weights")
     index: dict[str, TensorSpec] = {}
     for file in files:
         try:

@@ -41,10 +41,16 @@ class LocalCopy:
                 log.info("cannot link %s into %s (%s); writing a copy", checkpoint, target, e)
         threading.Thread(target=self._write, args=(version, model, target), daemon=True).start()
 
-    def _link(self, checkpoint: Path, target: Path) -> None:
+    @staticmethod
+    def _partial(target: Path) -> Path:
+        """An empty folder beside `target`, renamed to it once whole (a copy is never seen half-written)."""
         partial = target.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
+        return partial
+
+    def _link(self, checkpoint: Path, target: Path) -> None:
+        partial = self._partial(target)
         for shard in checkpoint.glob("*.safetensors"):
             os.link(shard, partial / shard.name)
         partial.rename(target)
@@ -53,9 +59,7 @@ class LocalCopy:
         try:
             with self.lock:  # a consistent snapshot: no commit changes the parameters meanwhile
                 tensors = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
-            partial = target.with_suffix(".partial")
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
+            partial = self._partial(target)
             save_file(tensors, str(partial / "model.safetensors"))
             partial.rename(target)
             self._done(version, target)
