@@ -120,12 +120,12 @@ class Batcher:
                 if end == lo:
                     break
                 batch.append((item, lo, end))
+                if item.calls_waited is None:
+                    item.calls_waited = self.calls - item.queued_at
                 room -= int(offsets[end] - offsets[lo])
                 item.todo[0] = (end, hi)
                 if end == hi:
                     item.todo.popleft()
-            if item.calls_waited is None and any(b[0] is item for b in batch):
-                item.calls_waited = self.calls - item.queued_at
             if item.todo:
                 self.waiting.append(item)  # to the back of the line
         return batch
