@@ -1,10 +1,12 @@
 """End-to-end scoring with a patched HuggingFace model on one GPU, no grad.
 
-Fixed batch (8 x 4096 tokens): the decoder body alone, HF full logits -> log_softmax (naive), and the patched
-model (fused head). Mixed lengths (32 rollouts, prompt 512 + response 64..4000 tokens, arrival order): naive HF
-on right-padded batches of 2 / 4 / 8, the patched model on padded batches of 8, and the patched model on packed
-rows, attending through flex_attention (one compiled shape per row length) and through varlen attention (one
-FlashAttention varlen call per row). Prints tokens/s and peak memory beyond the model.
+Fixed batch (8 x 4096 tokens): the decoder body alone (with our fused RMSNorm and MLP middle, and with HF's), HF
+full logits -> log_softmax (naive), and the patched model (fused head) in its invariant and fast modes. Mixed
+lengths (32 rollouts, prompt 512 + response 64..4000 tokens, arrival order): naive HF on right-padded batches of
+2 / 4 / 8, the patched model on padded batches of 8 (it unpads them into one row), on rows packed here (padding
+at the end) attending through flex_attention and through varlen attention, and LogProbWorker.score (the service's
+path: rows packed without padding, prompts unscored, results on the host) in both modes. Prints tokens/s and
+peak memory beyond the model.
 
   python benchmarks/bench_model.py --out model.json     # Qwen2.5-7B shape, random bf16 weights, on CUDA
   python benchmarks/bench_model.py --tiny               # a dry run of every path on the CPU, tiny config
@@ -20,7 +22,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from ppo_logprobs.workers import patch_model
+from ppo_logprobs.workers import LogProbWorker, patch_model
+from ppo_logprobs.workers.models.patch_model import allow_split_k, fuse_body
 
 QWEN25_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -39,6 +42,12 @@ def build(config: dict, device: str, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(default)
     return model
+
+
+def fast(model, backend: str) -> None:
+    """patch_model(invariant=False), and cuBLAS's process-wide defaults back (split-K allowed)."""
+    patch_model(model, backend=backend, invariant=False)
+    allow_split_k(True)
 
 
 def sync(device: str) -> None:
@@ -141,6 +150,10 @@ def main() -> None:
             tokens = batch * seq_len
             s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
             record("fixed", f"body ({args.attn})", tokens, s, p)
+            fuse_body(model, "torch")
+            s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
+            record("fixed", f"body, HF norm+MLP ({args.attn})", tokens, s, p)
+            fuse_body(model, backend)
             if not args.skip_naive:
                 s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
                 record("fixed", "naive", tokens, s, p)
@@ -148,8 +161,12 @@ def main() -> None:
             ref_lp, _ = naive_scores(model, ids, None)
             fused = model(input_ids=ids)
             diff = float((fused.log_probs[:, :-1] - ref_lp).abs().max())
-            record("fixed", f"fused ({args.attn})", tokens, s, p, max_diff_vs_naive=diff)
+            record("fixed", "patched (invariant)", tokens, s, p, max_diff_vs_naive=diff)
             del ref_lp, fused
+            fast(model, backend)
+            s, p = timed(lambda: model(input_ids=ids), device, reps)
+            record("fixed", "patched (fast)", tokens, s, p)
+            patch_model(model, backend=backend)
 
         if not args.skip_mixed:
             lengths = [prompt + int(torch.randint(resp[0], resp[1] + 1, (1,), generator=g)) for _ in range(rollouts)]
@@ -165,14 +182,26 @@ def main() -> None:
                     print(f"naive padded x{bs}: out of memory", flush=True)
             batches = list(padded_batches(seqs, 8, device))
             s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
-            record("mixed", f"fused padded x8 ({args.attn})", real, s, p)
+            record("mixed", "patched, padded x8", real, s, p)
             for attention in ("flex", "varlen"):  # how packed rows attend (patch_model's packed_attention)
                 patch_model(model, backend=backend, packed_attention=attention)
-                for r in row_sizes:
+                for r in row_sizes[:1] if attention == "flex" else row_sizes:
                     rows = list(packed_rows(seqs, r, device))
                     fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
                     s, p = timed(fn, device, reps)
-                    record("mixed", f"fused packed rows of {r} ({attention})", real, s, p, rows=len(rows))
+                    record("mixed", f"patched, rows of {r} ({attention})", real, s, p, rows=len(rows))
+            # the worker's own path: rows packed without padding, prompts unscored, results gathered to the host
+            lists = [x.tolist() for x in seqs]
+            for mode in ("invariant", "fast"):
+                patch_model(model, backend=backend)
+                if mode == "fast":
+                    fast(model, backend)
+                for r in row_sizes:
+                    worker = LogProbWorker(model, max_tokens_per_batch=r)
+                    s, p = timed(lambda w=worker: w.score(lists, score_from=prompt), device, reps)
+                    worker.stats["rows"] = 0
+                    worker.score(lists, score_from=prompt)
+                    record("mixed", f"worker, rows of {r} ({mode})", real, s, p, rows=worker.stats["rows"])
             patch_model(model, backend=backend)
 
     if args.out:

@@ -25,8 +25,10 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..head import Backend, fused_log_probs
+from ..head import Backend, fused_log_probs, resolve_backend
 from . import varlen_attention
+from .rms_norm import rms_norm
+from .silu_mul import silu_mul
 
 _IGNORE = -100
 
@@ -41,6 +43,13 @@ _HEADS: dict[str, dict[str, str]] = {
     "phi3": {},
     "gemma2": {"softcap": "final_logit_softcapping"},
     "gemma3_text": {"softcap": "final_logit_softcapping"},
+}
+
+
+# RMSNorm classes -> (formula, the attribute holding eps): see rms_norm.py
+_NORMS: dict[str, tuple[str, str]] = {
+    **{f"{f}RMSNorm": ("llama", "variance_epsilon") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")},
+    **{f"{f}RMSNorm": ("gemma", "eps") for f in ("Gemma2", "Gemma3")},
 }
 
 
@@ -102,12 +111,29 @@ def next_token_labels(input_ids: Tensor, attention_mask: Tensor | None, segments
 # head_dim 16: seen on the H200).
 _FLEX_MIN_TOKENS = 1024
 PackedAttention = Literal["auto", "varlen", "flex", "model"]
+# Invariant mode: the fewest rows a GEMM sees. Below it cuBLAS runs other kernels, which sum in another order
+# (measured on the H200: benchmarks/bench_invariance.py, BENCHMARKS.md).
+MIN_TOKENS = 128
+
+
+def allow_split_k(allowed: bool) -> None:
+    """Whether cuBLAS may split a GEMM's sum over K in parts, process-wide, for bf16 and fp16. It does for few rows,
+    so a row's bits would change with the number of rows. Not allowed, GEMMs go through cuBLASLt, where that holds;
+    allowed, back to cuBLAS's defaults. A no-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    matmul = torch.backends.cuda.matmul
+    matmul.allow_bf16_reduced_precision_reduction = (allowed, allowed)
+    matmul.allow_fp16_reduced_precision_reduction = (allowed, allowed)
+    torch.backends.cuda.preferred_blas_library("cublas" if allowed else "cublaslt")
 
 
 def packed_attention_of(model: nn.Module, device: torch.device, choice: PackedAttention = "auto") -> str:
     """How packed rows attend: "varlen" (one varlen kernel per row: CUDA, when the model's attention allows),
     "flex" (flex_attention's block mask for rows of 1024 tokens or more, on CUDA), or "model" (the model's own
     attention with a dense packed mask). "auto" picks the first that applies."""
+    if choice == "varlen" and (why := varlen_attention.model_allows(model)):
+        raise ValueError(f"packed_attention='varlen' cannot run {type(model).__name__}: {why}")
     if choice != "auto":
         return choice
     if varlen_attention.supported(model, device):
@@ -127,59 +153,146 @@ def _forward_for_ppo(
     backend: Backend,
     softcap: float | None,
     packed_attention: PackedAttention,
+    min_tokens: int,
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
     segments = packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
+    if segments is not None and attention_mask is not None:
+        real = attention_mask.bool()
+        late = real[..., 1:] & ~real[..., :-1]  # a real token right after padding
+        if bool(late.any()):
+            row = int(late.nonzero()[0, 0])
+            raise ValueError(
+                f"attention_mask row {row}: in packed rows (position_ids restarting) padding may only come "
+                "after the last real token; give each sequence its own positions from 0 instead"
+            )
+    how = packed_attention_of(self, input_ids.device, packed_attention)
+    if how == "varlen":
+        hidden, row_of = _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs)
+        body = None
+    else:
+        body = _model_body(self, input_ids, attention_mask, position_ids, segments, how, kwargs)
+        hidden, row_of = body.last_hidden_state.reshape(-1, body.last_hidden_state.shape[-1]), None
+    # hidden: [R, H], the rows of the B * T positions that ran (row_of[i]: position i's row; None: all, in order)
+    wanted = scored
+    if wanted is None and row_of is not None:
+        wanted = torch.nonzero(attention_mask.reshape(-1))[:, 0]
+    labels = labels.reshape(-1)
+    if wanted is not None:  # only these positions reach the head (CCE's compaction): [N] flat indices into [B * T]
+        hidden = hidden[wanted if row_of is None else row_of[wanted].clamp(min=0)]  # [N, H]
+        labels = labels[wanted]
+        if row_of is not None:
+            labels = labels.masked_fill(row_of[wanted] < 0, _IGNORE)
+        if isinstance(temperature, Tensor):
+            temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]
+    elif isinstance(temperature, Tensor):
+        temperature = temperature.expand(input_ids.shape).reshape(-1)
+    log_probs, entropy = fused_log_probs(
+        hidden, weight_of(self), labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap,
+        compute_entropy=compute_entropy,
+    )
+    if scored is None:  # back to [B, T], 0 where nothing was scored
+        log_probs, entropy = (None if x is None else _spread(x, wanted, input_ids.shape) for x in (log_probs, entropy))
+    return CausalLMOutputForPPO(
+        log_probs=log_probs, entropy=entropy, hidden_states=body and body.hidden_states,
+        attentions=body and body.attentions,
+    )
+
+
+def weight_of(model: nn.Module) -> Tensor:
+    return model.get_output_embeddings().weight  # [V, H]
+
+
+def _spread(values: Tensor, wanted: Tensor | None, shape: torch.Size) -> Tensor:
+    if wanted is None:
+        return values.view(shape)
+    return values.new_zeros(shape.numel()).index_put((wanted,), values).view(shape)
+
+
+def _model_body(self, input_ids, attention_mask, position_ids, segments, how, kwargs):
+    """The model's own body over [B, T] (its attention, or flex_attention for long packed rows)."""
     attn = self.config._attn_implementation
     if segments is not None:
         ## NB: transformers builds packed masks (flex BlockMask, sdpa, eager; sliding windows too) from
-        # position_ids only when there is no 2D mask and no cache. Padding has no label (above) and, being causal,
-        # is never attended to by an earlier real token; a sequence after it starts at position 0.
-        if attention_mask is not None:
-            real = attention_mask.bool()
-            late = real[..., 1:] & ~real[..., :-1]  # a real token right after padding
-            if bool(late.any()):
-                row = int(late.nonzero()[0, 0])
-                raise ValueError(
-                    f"attention_mask row {row}: in packed rows (position_ids restarting) padding may only come "
-                    "after the last real token; give each sequence its own positions from 0 instead"
-                )
+        # position_ids only when there is no 2D mask and no cache. Padding has no label and, being causal, is
+        # never attended to by an earlier real token; a sequence after it starts at position 0.
         attention_mask = None
-        how = packed_attention_of(self, input_ids.device, packed_attention)
-        if how == "varlen" and input_ids.shape[0] == 1:
-            self.config._attn_implementation = varlen_attention.NAME
-            kwargs["cu_seq_lens"], kwargs["max_length"] = varlen_attention.cu_seq_lens(position_ids)
-        elif how == "flex" and attn in ("sdpa", "eager") and input_ids.shape[1] >= _FLEX_MIN_TOKENS:
+        if how == "flex" and attn in ("sdpa", "eager") and input_ids.shape[1] >= _FLEX_MIN_TOKENS:
             # a dense [T, T] mask makes sdpa slower than padding; flex_attention skips the masked blocks
             self.config._attn_implementation = "flex_attention"
     try:
-        body = self.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
-        )
+        return self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               **kwargs)
     finally:
         self.config._attn_implementation = attn
-    hidden = body.last_hidden_state  # [B, T, H]
-    weight = self.get_output_embeddings().weight  # [V, H]
-    if scored is not None:  # only these positions reach the head (CCE's compaction): [N] flat indices into [B * T]
-        hidden = hidden.reshape(-1, hidden.shape[-1])[scored]  # [N, H]
-        labels = labels.reshape(-1)[scored]
-        if isinstance(temperature, Tensor):
-            temperature = temperature.reshape(-1)[scored]
-    log_probs, entropy = fused_log_probs(
-        hidden, weight, labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap,
-        compute_entropy=compute_entropy,
-    )
-    return CausalLMOutputForPPO(
-        log_probs=log_probs, entropy=entropy, hidden_states=body.hidden_states, attentions=body.attentions
-    )
 
 
-def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: PackedAttention = "auto") -> nn.Module:
-    """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward.
-    `packed_attention`: how packed rows attend (see packed_attention_of)."""
+def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs) -> tuple[Tensor, Tensor | None]:
+    """The body over one packed row of the call's real tokens, attending through varlen attention: whatever the
+    layout (padded, packed, one sequence), a sequence meets the same kernels. Rows below `min_tokens` get a
+    trailing sequence of filler so that every GEMM sees at least that many rows. Returns (hidden [R, H] of the
+    real tokens, each of the B * T positions' row or -1 for padding; None when all are real)."""
+    keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
+    ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
+    real = ids.shape[0]
+    if real < min_tokens:
+        filler = torch.arange(min_tokens - real, device=ids.device)
+        ids, positions = torch.cat([ids, torch.zeros_like(filler)]), torch.cat([positions, filler])
+        begins = torch.cat([begins, filler == 0])
+    cu, longest = varlen_attention.cu_seq_lens(begins)
+    attn = self.config._attn_implementation
+    self.config._attn_implementation = varlen_attention.NAME
+    try:
+        body = self.base_model(input_ids=ids[None], position_ids=positions[None], cu_seq_lens=cu,
+                               max_length=longest, **kwargs)
+    finally:
+        self.config._attn_implementation = attn
+    hidden = body.last_hidden_state[0, :real]
+    return hidden, None if keep is None else torch.where(keep, keep.cumsum(0) - 1, -1)
+
+
+def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
+    if resolve_backend(backend, x.device) == "triton":
+        return rms_norm(x, self.weight, getattr(self, eps), style)
+    return type(self).forward(self, x)
+
+
+def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
+    if resolve_backend(backend, x.device) == "triton":
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return type(self).forward(self, x)
+
+
+def fuse_body(model: nn.Module, backend: Backend = "auto") -> None:
+    """Runs the body's RMSNorms (the families of _NORMS) and the middles of its SiLU-gated MLPs through our Triton
+    kernels where `backend` resolves to Triton (on CUDA by default); elsewhere each module keeps its own forward."""
+    for module in model.modules():
+        norm = _NORMS.get(type(module).__name__)
+        if norm is not None:
+            forward = partial(_norm_forward, style=norm[0], eps=norm[1], backend=backend)
+        elif (all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+              and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
+            forward = partial(_mlp_forward, backend=backend)
+        else:
+            continue
+        module.forward = types.MethodType(forward, module)
+
+
+def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: PackedAttention = "auto",
+                invariant: bool = True) -> nn.Module:
+    """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward, and runs its
+    body's norms and MLP middles through fused kernels (fuse_body).
+    `packed_attention`: how packed rows attend (see packed_attention_of). `invariant`: a sequence's results are the
+    same bits however it is batched (see README "Exactness"): GEMMs never split their sums (allow_split_k, a
+    process-wide setting that invariant=False leaves as it is) and see at least MIN_TOKENS rows."""
     softcap = head_softcap(model)
-    forward = partial(_forward_for_ppo, backend=backend, softcap=softcap, packed_attention=packed_attention)
+    packed_attention_of(model, torch.device("cpu"), packed_attention)  # refuses a choice that cannot run it
+    if invariant:
+        allow_split_k(False)
+    forward = partial(_forward_for_ppo, backend=backend, softcap=softcap, packed_attention=packed_attention,
+                      min_tokens=MIN_TOKENS if invariant else 0)
+    fuse_body(model, backend)
     model.forward = types.MethodType(forward, model)
     return model

@@ -25,27 +25,54 @@ def _kernel_exists() -> bool:
     return True
 
 
-def supported(model: nn.Module, device: torch.device) -> bool:
-    """The kernel runs here, for this model's attention (16-bit, no attention-logit softcap, a head size it takes)."""
+def model_allows(model: nn.Module) -> str | None:
+    """Why this model's attention cannot run here (an attention-logit softcap, a head size the kernel rejects),
+    or None."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "its attention caps logits (attn_logit_softcapping)"
+    if head_dim % 8 or head_dim > 256:
+        return f"its head size {head_dim} is not a multiple of 8 up to 256"
+    return None
+
+
+def supported(model: nn.Module, device: torch.device) -> bool:
+    """The kernel runs here (CUDA, a 16-bit model) for this model's attention."""
     return (
         device.type == "cuda"
         and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
         and _kernel_exists()
-        and getattr(config, "attn_logit_softcapping", None) is None
-        and head_dim % 8 == 0
-        and head_dim <= 256
+        and model_allows(model) is None
     )
 
 
-def cu_seq_lens(position_ids: Tensor) -> tuple[Tensor, int]:
-    """Cumulative sequence offsets [S + 1] (int32) of a packed row [1, T] whose positions restart at 0, and the
-    longest sequence."""
-    starts = torch.nonzero(position_ids[0] == 0)[:, 0]
-    total = torch.tensor([position_ids.shape[1]], device=position_ids.device)
-    cu = torch.cat([starts, total]).to(torch.int32)
+def cu_seq_lens(starts: Tensor) -> tuple[Tensor, int]:
+    """Cumulative sequence offsets [S + 1] (int32) of a packed row whose sequences begin where `starts` ([T] bool,
+    True at 0) is True, and the longest sequence."""
+    begins = torch.nonzero(starts)[:, 0]
+    total = torch.tensor([starts.shape[0]], device=starts.device)
+    cu = torch.cat([begins, total]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def one_row(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None
+            ) -> tuple[Tensor | None, Tensor, Tensor]:
+    """How a [B, T] call becomes one packed row of its real tokens: (which of the B * T positions are real, or
+    None for all; their positions [R]; where each sequence begins [R] bool).
+
+    A sequence begins at each row's first real token and wherever position_ids restart at 0. Without
+    position_ids, positions count each row's real tokens from 0 (so left padding shifts nothing).
+    """
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    if position_ids is None:
+        position_ids = real.cumsum(-1) - 1
+    position_ids = position_ids.expand(input_ids.shape)
+    begins = (position_ids == 0) | (real & (real.cumsum(-1) == 1))
+    keep = None if attention_mask is None else real.reshape(-1)
+    if keep is None:
+        return None, position_ids.reshape(-1), begins.reshape(-1)
+    return keep, position_ids.reshape(-1)[keep], begins.reshape(-1)[keep]
 
 
 def varlen_attention(

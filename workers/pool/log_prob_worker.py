@@ -110,7 +110,8 @@ def restored(restore: dict, **load_options) -> tuple[torch.nn.Module, int | None
 
 
 class LogProbWorker(WeightsHolder):
-    """Holds a patched causal LM (see `load_model`) and scores token sequences with it.
+    """Holds a patched causal LM (see `load_model`; or a model already patched, given as `model`) and scores token
+    sequences with it.
 
     `restore`: for an actor that Ray restarted, where its pool's current weights are instead of `model` (see
     WeightOwner.restore_spec and `restored`). `keep_dir`: keep a local copy of the weights served there (see
@@ -118,14 +119,16 @@ class LogProbWorker(WeightsHolder):
     """
 
     def __init__(
-        self, model: str = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
+        self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
         row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
         self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         self.weights_version: int | None = 0
-        if restore is None:
+        if isinstance(model, torch.nn.Module):
+            self.model = model
+        elif restore is None:
             self.model = load_model(model, device=self.device, **load_options)
         else:
             self.model, self.weights_version = restored(restore, device=self.device, **load_options)

@@ -1,0 +1,225 @@
+"""Is a sequence's result the same bits wherever it is scored, and what does that cost?
+
+Study (the default): random-length sequences scored
+- alone, one request each (the reference);
+- packed with the others into rows of three budgets, in three orders, so each lands at other offsets among
+  other neighbours;
+- by pools of one and of two workers (Ray actors, other processes; with --pool);
+- by a trainer: the patched model's own forward with gradients on, right-padded micro-batches of 4096 tokens.
+Each is compared with "alone": the largest |difference| of log-probs and entropies, and how many sequences
+differ at all. Run for the invariant mode (patch_model's default) and the fast one (invariant=False), and for
+the invariant mode with HF's own RMSNorm and MLP (what the fused body replaces).
+
+Probe (--probe): which row counts M change a GEMM's bits for the model's shapes (rows compared with the same
+rows of an M = 32768 product), under cuBLAS's default, with split-K forbidden, and through cuBLASLt with split-K
+forbidden, and what each costs; and the same for torch's RMSNorm against ours.
+
+  python benchmarks/bench_pool.py --save-random /tmp/q7
+  python benchmarks/bench_invariance.py --model /tmp/q7 --pool --out invariance.json    # H200
+  python benchmarks/bench_invariance.py --probe --out probe.json                         # H200
+  python benchmarks/bench_invariance.py                                                  # CPU dry run, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from ppo_logprobs.workers import LogProbWorker, WorkerPool
+from ppo_logprobs.workers.models.patch_model import allow_split_k, fuse_body, patch_model
+
+
+def random_lengths(n: int, lo: int, hi: int, seed: int) -> np.ndarray:
+    """Log-uniform in [lo, hi]: as many short sequences (below any GEMM threshold) as long ones."""
+    rng = np.random.default_rng(seed)
+    return np.exp(rng.uniform(np.log(lo), np.log(hi), n)).astype(np.int64)
+
+
+def by_worker(worker: LogProbWorker, seqs: list, budget: int, order: np.ndarray) -> list:
+    worker.max_tokens_per_batch = budget
+    got = worker.score([seqs[i] for i in order])
+    out = [None] * len(seqs)
+    for i, r in zip(order, got, strict=True):
+        out[i] = (r.log_probs, r.entropy)
+    return out
+
+
+def trainer_batches(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive sequences, right-padded, at most `budget` tokens counting padding (a trainer's micro-batches)."""
+    batches, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or (i + 1 - start) * max(lengths[start : i + 1]) > budget:
+            batches.append(range(start, i))
+            start = i
+    return batches
+
+
+def by_trainer(model: torch.nn.Module, seqs: list, budget: int = 4096) -> list:
+    """The patched model's forward with gradients on (weights requiring grad), right-padded micro-batches."""
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    device = params[0].device
+    out = []
+    try:
+        with torch.enable_grad():
+            for rows in trainer_batches([len(s) for s in seqs], budget):
+                group = [seqs[i] for i in rows]
+                t = max(len(s) for s in group)
+                ids = torch.zeros(len(group), t, dtype=torch.long)
+                mask = torch.zeros(len(group), t, dtype=torch.long)
+                for b, s in enumerate(group):
+                    ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
+                res = model(input_ids=ids.to(device), attention_mask=mask.to(device))
+                assert res.log_probs.requires_grad  # a real training forward
+                lp, ent = res.log_probs.detach().cpu().numpy(), res.entropy.detach().cpu().numpy()
+                out += [(lp[b, : len(s) - 1], ent[b, : len(s) - 1]) for b, s in enumerate(group)]
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+    return out
+
+
+def compare(got: list, ref: list) -> dict:
+    lp = max(float(np.abs(a[0] - b[0]).max(initial=0)) for a, b in zip(got, ref, strict=True))
+    ent = max(float(np.abs(a[1] - b[1]).max(initial=0)) for a, b in zip(got, ref, strict=True))
+    differ = sum(not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])) for a, b in zip(got, ref, strict=True))
+    return dict(max_lp=lp, max_entropy=ent, sequences_differing=differ)
+
+
+def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str) -> dict:
+    rng = np.random.default_rng(1)
+    start = time.perf_counter()
+    alone = [by_worker(worker, [s], budgets[0], np.array([0]))[0] for s in seqs]
+    results = dict(alone_s=time.perf_counter() - start)
+    for k, budget in enumerate(budgets):
+        order = rng.permutation(len(seqs))
+        t0 = time.perf_counter()
+        got = by_worker(worker, seqs, budget, order)
+        results[f"packed rows of {budget}, order {k}"] = dict(**compare(got, alone), seconds=time.perf_counter() - t0)
+    results["trainer forward with grad"] = compare(by_trainer(worker.model, seqs), alone)
+    for case, r in results.items():
+        if isinstance(r, dict):
+            print(f"{label:>28} {case:>34} {r['max_lp']:10.3g} {r['max_entropy']:10.3g} "
+                  f"{r['sequences_differing']:4d}/{len(seqs)}", flush=True)
+    return dict(results=results, alone=alone)
+
+
+def by_pool(model: str, workers: int, seqs: list, budget: int, **options) -> list:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    gpus = 1 / workers if torch.cuda.is_available() else 0
+    pool = WorkerPool.create(model, workers, num_gpus_per_worker=gpus, max_tokens_per_batch=budget, **options)
+    try:
+        got = pool.compute_log_probs(seqs)
+    finally:
+        pool.shutdown()
+    return [(r.log_probs, r.entropy) for r in got]
+
+
+def probe(device: str, out: dict) -> None:
+    """Row-count dependence of cuBLAS GEMMs (Qwen2.5-7B shapes) and of RMSNorm, with timings."""
+    import triton.testing
+
+    from ppo_logprobs.workers.models.rms_norm import rms_norm, rms_norm_reference
+
+    matmul = torch.backends.cuda.matmul
+    settings = {
+        "default": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (True, True)),
+                            torch.backends.cuda.preferred_blas_library("cublas")),
+        "no split-K": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (False, False)),
+                               torch.backends.cuda.preferred_blas_library("cublas")),
+        "cuBLASLt, no split-K": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (False, False)),
+                                         torch.backends.cuda.preferred_blas_library("cublaslt")),
+    }
+    shapes = {"q (bias)": (3584, 3584, True), "k (bias)": (3584, 512, True), "o": (3584, 3584, False),
+              "gate": (3584, 18944, False), "down": (18944, 3584, False)}
+    rows = [1, 2, 7, 16, 33, 64, 100, 127, 128, 129, 200, 256, 300, 512, 1000, 2048, 4096, 8192, 16384]
+    g = torch.Generator(device=device).manual_seed(0)
+    big = 32768
+    report = {}
+    for name, (k, n, bias) in shapes.items():
+        x = torch.randn(big, k, device=device, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, generator=g, dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device=device, generator=g, dtype=torch.bfloat16) if bias else None
+        for setting, apply in settings.items():
+            apply()
+            full = torch.nn.functional.linear(x, w, b)
+            bad = [m for m in rows for off in (0, 5000)
+                   if not torch.equal(torch.nn.functional.linear(x[off : off + m], w, b), full[off : off + m])]
+            times = {m: triton.testing.do_bench(lambda m=m: torch.nn.functional.linear(x[:m], w, b), rep=50)
+                     for m in (128, 1024, 16384)}
+            report[f"{name} | {setting}"] = dict(rows_that_differ=sorted(set(bad)), ms=times)
+            print(f"{name:>9} {setting:>22} differ at M={sorted(set(bad))} ms={times}", flush=True)
+    settings["default"]()
+    x = torch.randn(big, 3584, device=device, generator=g, dtype=torch.bfloat16) * 3
+    w = torch.randn(3584, device=device, generator=g, dtype=torch.bfloat16)
+    for name, fn in (("torch RMSNorm", lambda t: rms_norm_reference(t, w, 1e-6, "llama")),
+                     ("our RMSNorm", lambda t: rms_norm(t, w, 1e-6, "llama"))):
+        full = fn(x)
+        bad = [m for m in rows for off in (0, 5000) if not torch.equal(fn(x[off : off + m]), full[off : off + m])]
+        ms = triton.testing.do_bench(lambda fn=fn: fn(x), rep=50)
+        report[name] = dict(rows_that_differ=sorted(set(bad)), ms_32768_rows=ms)
+        print(f"{name:>14} differ at M={sorted(set(bad))}; 32768 rows: {ms:.3f} ms", flush=True)
+    out["probe"] = report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--sequences", type=int, default=200)
+    parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
+    parser.add_argument("--probe", action="store_true", help="the GEMM and RMSNorm row-count probe only")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
+               gpu=torch.cuda.get_device_name() if cuda else None)
+    if args.probe:
+        probe("cuda", out)
+    else:
+        tiny = args.model == "tiny"
+        options = dict(dtype=torch.bfloat16) if cuda else dict(backend="torch")
+        lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
+        vocab = 503 if tiny else 152064
+        rng = np.random.default_rng(2)
+        seqs = [rng.integers(0, vocab, n).tolist() for n in lengths]
+        out.update(sequences=len(seqs), tokens=int(lengths.sum()))
+        budgets = (16384, 32768, 8192) if cuda else (64, 128, 100)
+        print(f"# {len(seqs)} sequences, {lengths.sum()} tokens, lengths {lengths.min()}..{lengths.max()}")
+        print(f"{'mode':>28} {'case':>34} {'max|dlp|':>10} {'max|dent|':>10} {'seqs':>8}", flush=True)
+        worker = LogProbWorker(args.model, max_tokens_per_batch=max(budgets), **options)
+        backend = options.get("backend", "auto")
+        modes = {}
+        for label, invariant, fused in (("invariant", True, True), ("fast", False, True),
+                                        ("invariant, HF norm+MLP", True, False)):
+            patch_model(worker.model, backend=backend, invariant=invariant)
+            if not invariant:  # patch_model leaves the process-wide setting as it is
+                allow_split_k(True)
+            fuse_body(worker.model, backend if fused else "torch")
+            modes[label] = study(worker, seqs, budgets, label)
+        patch_model(worker.model, backend=backend)
+        out["modes"] = {k: v["results"] for k, v in modes.items()}
+        if args.pool:
+            reference = modes["invariant"]["alone"]
+            del worker
+            if cuda:
+                torch.cuda.empty_cache()
+            for n in (1, 2):
+                r = compare(by_pool(args.model, n, seqs, budgets[0], **options), reference)
+                out["modes"]["invariant"][f"pool of {n}"] = r
+                print(f"{'invariant':>28} {f'pool of {n} worker(s)':>34} {r['max_lp']:10.3g} "
+                      f"{r['max_entropy']:10.3g} {r['sequences_differing']:4d}/{len(seqs)}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 13 on one H200: the CUDA tests of the model layer, the GEMM/RMSNorm row-count probe, the model benchmark
+# (fixed and mixed lengths), and the invariance study on a random Qwen2.5-7B-shaped checkpoint. STAGES picks some of
+# "tests probe model invariance" (default: all). Logs and JSON go to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+STAGES=${STAGES:-tests probe model invariance}
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+if [[ $STAGES == *tests* ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/workers/models} 2>&1 | tee "$OUT/tests.log" | tail -6
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/workers/models/test_rms_norm.py \
+    tests/workers/models/test_silu_mul.py 2>&1 | tee -a "$OUT/tests.log" | tail -3
+fi
+cd benchmarks
+if [[ $STAGES == *probe* ]]; then
+  timeout 150 python3 bench_invariance.py --probe --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -v -i warn
+fi
+if [[ $STAGES == *model* ]]; then
+  timeout 300 python3 bench_model.py ${MODEL_ARGS:---skip-naive} --out "$OUT/model.json" 2>&1 | tee "$OUT/model.log" \
+    | grep -v '^{' | grep -v -i warn | tail -16
+fi
+if [[ $STAGES == *invariance* ]]; then
+  [[ -d /tmp/q7 ]] || timeout 150 python3 bench_pool.py --save-random /tmp/q7 > "$OUT/save.log" 2>&1
+  timeout 400 python3 bench_invariance.py --model /tmp/q7 ${INV_ARGS:---pool} --out "$OUT/invariance.json" 2>&1 \
+    | tee "$OUT/invariance.log" | grep -v -i "warn\|info\|core_worker" | tail -20
+fi
