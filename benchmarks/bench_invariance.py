@@ -11,8 +11,8 @@ differ at all. Run for the invariant mode (patch_model's default) and the fast o
 the invariant mode with HF's own RMSNorm and MLP (what the fused body replaces).
 
 Probe (--probe): which row counts M change a GEMM's bits for the model's shapes (rows compared with the same
-rows of an M = 32768 product), under cuBLAS's default, with split-K forbidden, and through cuBLASLt with split-K
-forbidden, and what each costs; and the same for torch's RMSNorm against ours.
+rows of an M = 32768 product), under cuBLAS's default, with split-K allowed, and through cuBLASLt with split-K
+forbidden (cuBLAS proper takes no such setting), and what each costs; and the same for torch's RMSNorm against ours.
 
   python benchmarks/bench_pool.py --save-random /tmp/q7
   python benchmarks/bench_invariance.py --model /tmp/q7 --pool --out invariance.json    # H200
@@ -133,8 +133,8 @@ def probe(device: str, out: dict) -> None:
     settings = {
         "default": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (True, True)),
                             torch.backends.cuda.preferred_blas_library("cublas")),
-        "no split-K": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (False, False)),
-                               torch.backends.cuda.preferred_blas_library("cublas")),
+        "cuBLASLt": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (True, True)),
+                             torch.backends.cuda.preferred_blas_library("cublaslt")),
         "cuBLASLt, no split-K": lambda: (setattr(matmul, "allow_bf16_reduced_precision_reduction", (False, False)),
                                          torch.backends.cuda.preferred_blas_library("cublaslt")),
     }
@@ -168,6 +168,68 @@ def probe(device: str, out: dict) -> None:
         report[name] = dict(rows_that_differ=sorted(set(bad)), ms_32768_rows=ms)
         print(f"{name:>14} differ at M={sorted(set(bad))}; 32768 rows: {ms:.3f} ms", flush=True)
     out["probe"] = report
+    out["attention"] = attention_probe(device)
+
+
+def attention_probe(device: str) -> dict:
+    """Attention kernels for 8 x 4096 tokens, 28 / 4 heads, head size 128 (Qwen2.5-7B): time, and whether a
+    sequence gets the same bits alone and at an offset of a packed row (the varlen kernels)."""
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device=device).manual_seed(1)
+    b, t, hq, hk, d = 8, 4096, 28, 4, 128
+    q = torch.randn(b * t, hq, d, device=device, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(b * t, hk, d, device=device, generator=g, dtype=torch.bfloat16)
+    v = torch.randn(b * t, hk, d, device=device, generator=g, dtype=torch.bfloat16)
+    cu = torch.arange(0, b * t + 1, t, device=device, dtype=torch.int32)
+    kr, vr = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+    dense = [x.view(b, t, -1, d).transpose(1, 2) for x in (q, kr, vr)]  # [B, H, T, D]
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(*dense, is_causal=True)
+        return run
+
+    def flash(qq, kk, vv, cuq, n):
+        return torch.ops.aten._flash_attention_forward(qq, kk, vv, cuq, cuq, n, n, 0.0, True, False)[0]
+
+    def varlen(qq, kk, vv, cuq, n):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(qq, kk.repeat_interleave(hq // hk, 1), vv.repeat_interleave(hq // hk, 1), cuq, cuq, n, n,
+                           window_size=(-1, 0))
+
+    def cudnn(qq, kk, vv, cuq, n):
+        kk, vv = kk.repeat_interleave(hq // hk, 1), vv.repeat_interleave(hq // hk, 1)
+        return torch.ops.aten._cudnn_attention_forward(qq, kk, vv, None, cuq, cuq, n, n, False, 0.0, True, False)[0]
+
+    kernels = {"sdpa flash [B, H, T, D]": sdpa(SDPBackend.FLASH_ATTENTION),
+               "sdpa cuDNN [B, H, T, D]": sdpa(SDPBackend.CUDNN_ATTENTION),
+               "varlen_attn, K/V repeated": lambda: varlen(q, k, v, cu, t),
+               "aten flash varlen, GQA": lambda: flash(q, k, v, cu, t),
+               "aten cuDNN ragged, K/V repeated": lambda: cudnn(q, k, v, cu, t)}
+    report = {}
+    for name, fn in kernels.items():
+        try:
+            ms = triton.testing.do_bench(fn, rep=100)
+        except Exception as e:  # noqa: BLE001 (a kernel this torch lacks is a finding, not a failure)
+            report[name] = dict(error=str(e).splitlines()[0][:200])
+            print(f"{name:>32} unavailable: {report[name]['error']}", flush=True)
+            continue
+        report[name] = dict(ms=ms)
+        varlen_fn = {"varlen_attn, K/V repeated": varlen, "aten flash varlen, GQA": flash,
+                     "aten cuDNN ragged, K/V repeated": cudnn}.get(name)
+        if varlen_fn is not None:  # sequence 2 (1000 tokens) alone vs at offset 3000 of a row of three
+            lens = torch.tensor([3000, 1000, 700])
+            cur = torch.cat([torch.zeros(1), lens.cumsum(0)]).to(device, torch.int32)
+            row = varlen_fn(q[:4700], k[:4700], v[:4700], cur, 3000)
+            one = varlen_fn(q[3000:4000], k[3000:4000], v[3000:4000], cur[:2] * 0 + torch.tensor([0, 1000],
+                            device=device, dtype=torch.int32), 1000)
+            report[name]["offset_invariant"] = bool(torch.equal(row[3000:4000], one))
+        print(f"{name:>32} {ms:8.3f} ms {report[name]}", flush=True)
+    return report
 
 
 def main() -> None:

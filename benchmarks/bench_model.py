@@ -50,6 +50,43 @@ def fast(model, backend: str) -> None:
     allow_split_k(True)
 
 
+# kernel name fragment -> what the time goes to (the first that matches; GEMMs by cuBLAS's kernel names)
+_KINDS = (("_rms_norm", "RMSNorm (ours)"), ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
+          ("combine_splits", "head (ours)"), ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
+          ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))
+
+
+def profile(fn, device: str) -> dict:
+    """GPU time of one call split by kind of kernel (torch.profiler), printed as a table."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    fn()
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    kinds: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.device_time_total if device == "cuda" else e.self_cpu_time_total
+        if us <= 0 or (device == "cuda" and e.device_type.name != "CUDA"):
+            continue
+        kind = next((k for frag, k in _KINDS if frag in e.key.lower()), "other (elementwise, copies)")
+        kinds[kind] = kinds.get(kind, 0) + us / 1e3
+        if kind.startswith("other"):
+            names[e.key[:60]] = names.get(e.key[:60], 0) + us / 1e3
+    total = sum(kinds.values())
+    for kind, ms in sorted(kinds.items(), key=lambda x: -x[1]):
+        print(f"{kind:>30} {ms:9.2f} ms {100 * ms / total:5.1f}%")
+    top = dict(sorted(names.items(), key=lambda x: -x[1])[:12])
+    for name, ms in top.items():
+        print(f"{'':>8}{name:>60} {ms:8.2f} ms")
+    return dict(total_ms=total, by_kind=kinds, other_top=top)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -121,6 +158,7 @@ def main() -> None:
     parser.add_argument("--skip-mixed", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
+    parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -145,6 +183,10 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
 
     with torch.no_grad():
+        if args.profile:
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
+            meta["profile"] = profile(lambda: model(input_ids=ids), device)
+            args.skip_fixed = args.skip_mixed = True
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
             tokens = batch * seq_len

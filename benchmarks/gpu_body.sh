@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 13 on one H200: the CUDA tests of the model layer, the GEMM/RMSNorm row-count probe, the model benchmark
 # (fixed and mixed lengths), and the invariance study on a random Qwen2.5-7B-shaped checkpoint. STAGES picks some of
-# "tests probe model invariance" (default: all). Logs and JSON go to $OUT.
+# "tests probe model invariance profile" (default: all). Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-STAGES=${STAGES:-tests probe model invariance}
+STAGES=${STAGES:-tests probe model invariance profile}
 export PYTHONUNBUFFERED=1
 nvidia-smi -L
 if [[ $STAGES == *tests* ]]; then
@@ -14,11 +14,15 @@ if [[ $STAGES == *tests* ]]; then
 fi
 cd benchmarks
 if [[ $STAGES == *probe* ]]; then
-  timeout 150 python3 bench_invariance.py --probe --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -v -i warn
+  timeout 200 python3 bench_invariance.py --probe --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -v -i warn
 fi
 if [[ $STAGES == *model* ]]; then
-  timeout 300 python3 bench_model.py ${MODEL_ARGS:---skip-naive} --out "$OUT/model.json" 2>&1 | tee "$OUT/model.log" \
+  timeout ${MODEL_TIMEOUT:-420} python3 bench_model.py ${MODEL_ARGS:---skip-naive} --out "$OUT/model.json" 2>&1 | tee "$OUT/model.log" \
     | grep -v '^{' | grep -v -i warn | tail -16
+fi
+if [[ $STAGES == *profile* ]]; then
+  timeout 120 python3 bench_model.py --profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" \
+    | grep -v -i "warn\|USDT" | tail -24
 fi
 if [[ $STAGES == *invariance* ]]; then
   [[ -d /tmp/q7 ]] || timeout 150 python3 bench_pool.py --save-random /tmp/q7 > "$OUT/save.log" 2>&1
