@@ -8,7 +8,7 @@ Study (the default): random-length sequences scored
 - by a trainer: the patched model's own forward with gradients on, right-padded micro-batches of 4096 tokens.
 Each is compared with "alone": the largest |difference| of log-probs and entropies, and how many sequences
 differ at all. Run for the invariant mode (patch_model's default) and the fast one (invariant=False), and for
-the invariant mode with HF's own RMSNorm and MLP (what the fused body replaces).
+the invariant mode with HF's own forwards for norms, MLPs and attention blocks (what fuse_body replaces).
 
 Probe (--probe): which row counts M change a GEMM's bits for the model's shapes (rows compared with the same
 rows of an M = 32768 product), under cuBLAS's default, with split-K allowed, and through cuBLASLt with split-K
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool
-from ppo_logprobs.workers.models.patch_model import allow_split_k, fuse_body, patch_model
+from ppo_logprobs.workers.models.fuse_body import unfuse_body
+from ppo_logprobs.workers.models.patch_model import allow_split_k, patch_model
 
 
 def random_lengths(n: int, lo: int, hi: int, seed: int) -> np.ndarray:
@@ -260,11 +261,12 @@ def main() -> None:
         backend = options.get("backend", "auto")
         modes = {}
         for label, invariant, fused in (("invariant", True, True), ("fast", False, True),
-                                        ("invariant, HF norm+MLP", True, False)):
+                                        ("invariant, HF body forwards", True, False)):
             patch_model(worker.model, backend=backend, invariant=invariant)
             if not invariant:  # patch_model leaves the process-wide setting as it is
                 allow_split_k(True)
-            fuse_body(worker.model, backend if fused else "torch")
+            if not fused:
+                unfuse_body(worker.model)
             modes[label] = study(worker, seqs, budgets, label)
         patch_model(worker.model, backend=backend)
         out["modes"] = {k: v["results"] for k, v in modes.items()}

@@ -23,7 +23,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
-from ppo_logprobs.workers.models.patch_model import allow_split_k, fuse_body
+from ppo_logprobs.workers.models.fuse_body import fuse_body, unfuse_body
+from ppo_logprobs.workers.models.patch_model import allow_split_k
 
 QWEN25_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -192,9 +193,9 @@ def main() -> None:
             tokens = batch * seq_len
             s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
             record("fixed", f"body ({args.attn})", tokens, s, p)
-            fuse_body(model, "torch")
+            unfuse_body(model)
             s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
-            record("fixed", f"body, HF norm+MLP ({args.attn})", tokens, s, p)
+            record("fixed", f"body, HF forwards ({args.attn})", tokens, s, p)
             fuse_body(model, backend)
             if not args.skip_naive:
                 s, p = timed(lambda: naive_scores(model, ids, None), device, reps)

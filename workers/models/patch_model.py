@@ -25,10 +25,9 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..head import Backend, fused_log_probs, resolve_backend
+from ..head import Backend, fused_log_probs
 from . import varlen_attention
-from .rms_norm import rms_norm
-from .silu_mul import silu_mul
+from .fuse_body import fuse_body
 
 _IGNORE = -100
 
@@ -43,13 +42,6 @@ _HEADS: dict[str, dict[str, str]] = {
     "phi3": {},
     "gemma2": {"softcap": "final_logit_softcapping"},
     "gemma3_text": {"softcap": "final_logit_softcapping"},
-}
-
-
-# RMSNorm classes -> (formula, the attribute holding eps): see rms_norm.py
-_NORMS: dict[str, tuple[str, str]] = {
-    **{f"{f}RMSNorm": ("llama", "variance_epsilon") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")},
-    **{f"{f}RMSNorm": ("gemma", "eps") for f in ("Gemma2", "Gemma3")},
 }
 
 
@@ -251,33 +243,6 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
         self.config._attn_implementation = attn
     hidden = body.last_hidden_state[0, :real]
     return hidden, None if keep is None else torch.where(keep, keep.cumsum(0) - 1, -1)
-
-
-def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
-    if resolve_backend(backend, x.device) == "triton":
-        return rms_norm(x, self.weight, getattr(self, eps), style)
-    return type(self).forward(self, x)
-
-
-def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
-    if resolve_backend(backend, x.device) == "triton":
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-    return type(self).forward(self, x)
-
-
-def fuse_body(model: nn.Module, backend: Backend = "auto") -> None:
-    """Runs the body's RMSNorms (the families of _NORMS) and the middles of its SiLU-gated MLPs through our Triton
-    kernels where `backend` resolves to Triton (on CUDA by default); elsewhere each module keeps its own forward."""
-    for module in model.modules():
-        norm = _NORMS.get(type(module).__name__)
-        if norm is not None:
-            forward = partial(_norm_forward, style=norm[0], eps=norm[1], backend=backend)
-        elif (all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
-              and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
-            forward = partial(_mlp_forward, backend=backend)
-        else:
-            continue
-        module.forward = types.MethodType(forward, module)
 
 
 def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: PackedAttention = "auto",

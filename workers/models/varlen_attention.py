@@ -1,7 +1,8 @@
 """Variable-length attention for packed rows: each sequence of a row attends only to itself, through torch's
-FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`, CUDA) given the row's cumulative sequence
-offsets. No mask is built and nothing is compiled per row length, so rows need no padding to a few lengths; a
-sequence's output does not depend on where in a row it sits.
+FlashAttention varlen kernel (aten's `_flash_attention_forward` given cumulative sequence offsets, as
+`torch.nn.attention.varlen.varlen_attn` calls it; called directly, it reads grouped K/V heads in place, which the
+wrapper in torch 2.11 refuses). No mask is built and nothing is compiled per row length, so rows need no padding
+to a few lengths; a sequence's output does not depend on where in a row it sits.
 
 Registered with transformers as the attention implementation `NAME`; transformers then builds no mask for it, and
 the patched forward passes the offsets (`cu_seq_lens`, `max_length`) through the model to every attention layer.
@@ -18,11 +19,7 @@ NAME = "ppo_varlen"
 
 
 def _kernel_exists() -> bool:
-    try:
-        import torch.nn.attention.varlen  # noqa: F401  (a submodule: not an attribute until imported)
-    except ImportError:
-        return False
-    return True
+    return torch.backends.cuda.is_flash_attention_available()
 
 
 def model_allows(model: nn.Module) -> str | None:
@@ -32,6 +29,8 @@ def model_allows(model: nn.Module) -> str | None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "its attention caps logits (attn_logit_softcapping)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "its attention is bidirectional"
     if head_dim % 8 or head_dim > 256:
         return f"its head size {head_dim} is not a multiple of 8 up to 256"
     return None
@@ -75,6 +74,30 @@ def one_row(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tens
     return keep, position_ids.reshape(-1)[keep], begins.reshape(-1)[keep]
 
 
+def attend(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float | None = None,
+           sliding_window: int | None = None) -> Tensor:
+    """Causal attention of each sequence of a packed row to itself: q [T, H, D], k and v [T, Hkv, D] (H a multiple
+    of Hkv) -> [T, H, D]. On CUDA one FlashAttention varlen call (grouped heads read in place, differentiable);
+    elsewhere sdpa per sequence, the reference."""
+    if q.is_cuda:
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, 0.0, True, False, scale=scale,
+            window_size_left=sliding_window - 1 if sliding_window else -1, window_size_right=0,
+        )[0]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = torch.empty_like(q)
+    for a, b in zip(cu_seq_lens[:-1].tolist(), cu_seq_lens[1:].tolist(), strict=True):
+        n = b - a
+        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        if sliding_window:
+            allowed &= torch.ones_like(allowed).triu(-(sliding_window - 1))
+        out[a:b] = nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed, scale=scale
+        ).transpose(0, 1)
+    return out
+
+
 def varlen_attention(
     module: nn.Module,
     query: Tensor,
@@ -89,28 +112,10 @@ def varlen_attention(
     max_length: int,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    # query: [1, H, T, D]; key, value: [1, Hkv, T, D] -> output [1, T, H, D]
+    """transformers' attention interface over `attend`: query [1, H, T, D]; key, value [1, Hkv, T, D] -> output
+    [1, T, H, D]."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H or Hkv, D]
-    if k.shape[1] != q.shape[1]:  # GQA: the kernel in torch 2.11 takes no grouped heads
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    if q.is_cuda:
-        from torch.nn.attention.varlen import varlen_attn
-
-        window = (sliding_window - 1, 0) if sliding_window else (-1, 0)  # causal, within the window
-        out = varlen_attn(q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, scale=scaling,
-                          window_size=window)
-        return out[None], None
-    out = torch.empty_like(q)
-    for a, b in zip(cu_seq_lens[:-1].tolist(), cu_seq_lens[1:].tolist(), strict=True):
-        n = b - a
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        if sliding_window:
-            allowed &= torch.ones_like(allowed).triu(-(sliding_window - 1))
-        out[a:b] = nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed, scale=scaling
-        ).transpose(0, 1)
-    return out[None], None
+    return attend(q, k, v, cu_seq_lens, max_length, scaling, sliding_window)[None], None
 
 
 AttentionInterface.register(NAME, varlen_attention)

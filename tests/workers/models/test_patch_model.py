@@ -61,7 +61,7 @@ def test_patched_model_matches_its_logits(family, tied, padding_side, attention)
     attention is sdpa per sequence."""
     if attention == "varlen" and family == "gemma2":
         pytest.skip("Gemma 2 caps attention logits: refused by varlen (test_refusals_name_the_reason)")
-    model = tiny(family, tied)
+    model = tiny(family, tied, **(dict(sliding_window=4) if family in ("mistral", "gemma3") else {}))
     ids, mask = batch(padding_side)
     temps = torch.linspace(0.5, 2.0, ids.numel()).view(ids.shape)
     for temperature in (1.0, 0.7, temps):
@@ -255,3 +255,21 @@ def test_cuda_varlen_rows_equal_alone_and_give_a_sequence_its_bits_at_any_offset
             assert torch.equal(forward[i], alone), i
             sdpa, _ = reference(model, seq[None].cuda(), None)  # the unpatched model: sdpa, [V] logits
             torch.testing.assert_close(forward[i][:-1], sdpa[0], rtol=0, atol=5e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
+def test_the_fused_body_kernels_give_the_model_its_numbers(family):
+    """Our RMSNorm, rotary and SiLU-gated MLP kernels (the Triton interpreter on the CPU) in place of HF's forwards,
+    in a packed row, against the unpatched model (fp32)."""
+    model = tiny(family, **(dict(sliding_window=4) if family in ("mistral", "gemma3") else {}))
+    ids, mask = batch("right")
+    ref_lp, ref_ent = reference(model, ids, mask)
+    patch_model(model, backend="triton", packed_attention="varlen")
+    fused = [m for m in model.modules() if "forward" in m.__dict__]
+    kinds = {type(m).__name__.removeprefix(family.capitalize()) for m in fused}
+    assert {"ForCausalLM", "RMSNorm", "Attention"} <= kinds and ("MLP" in kinds) == (family != "gemma3")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask)
+    real = (mask[:, :-1] * mask[:, 1:]).bool()
+    torch.testing.assert_close(out.log_probs[:, :-1][real], ref_lp[real].detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.entropy[:, :-1][real], ref_ent[real].detach(), rtol=0, atol=1e-5)

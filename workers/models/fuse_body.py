@@ -1,0 +1,92 @@
+"""The decoder body's memory-bound work in our Triton kernels: RMSNorm (rms_norm.py), the SiLU-gated MLP's middle
+(silu_mul.py), and, for rows of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads
+read in place by the varlen kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
+
+Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
+data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
+Off the Triton backend (the CPU by default) the kernels' torch formulas run instead.
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+
+from torch import Tensor, nn
+
+from ..head import Backend, resolve_backend
+from . import varlen_attention
+from .rms_norm import rms_norm
+from .rotary import rotary, rotary_reference
+from .silu_mul import silu_mul
+
+# RMSNorm classes -> (formula, the attribute holding eps): see rms_norm.py
+_NORMS: dict[str, tuple[str, str]] = {
+    **{f"{f}RMSNorm": ("llama", "variance_epsilon") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")},
+    **{f"{f}RMSNorm": ("gemma", "eps") for f in ("Gemma2", "Gemma3")},
+}
+# Attention classes (separate q/k/v/o projections, rotary on the whole head, optional q_norm/k_norm) -> where the
+# sliding window they pass to the attention function comes from: the module, its config, or nowhere
+_ATTENTIONS: dict[str, str] = {
+    "LlamaAttention": "none", "MistralAttention": "config", "Qwen2Attention": "module", "Qwen3Attention": "module",
+    "Gemma3Attention": "module",
+}
+
+
+def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
+    if resolve_backend(backend, x.device) == "triton":
+        return rms_norm(x, self.weight, getattr(self, eps), style)
+    return type(self).forward(self, x)
+
+
+def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
+    if resolve_backend(backend, x.device) == "triton":
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return type(self).forward(self, x)
+
+
+def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend, **kwargs
+                       ) -> tuple[Tensor, None]:
+    """HF's attention block for one packed row ([1, T, E]) given cu_seq_lens; any other call is HF's own."""
+    cu_seq_lens = kwargs.get("cu_seq_lens")
+    if cu_seq_lens is None or (self.training and self.attention_dropout > 0):
+        return type(self).forward(self, hidden_states=hidden_states, **kwargs)
+    t = hidden_states.shape[1]
+    q, k, v = (proj(hidden_states).view(t, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    if hasattr(self, "q_norm"):
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = (x.reshape(t, -1) for x in kwargs["position_embeddings"])  # [T, D]
+    rotate = rotary if resolve_backend(backend, q.device) == "triton" else rotary_reference
+    q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T, H or Hkv, D]
+    sliding = {"module": getattr(self, "sliding_window", None), "config": getattr(self.config, "sliding_window", None),
+               "none": None}[window]
+    out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding)
+    return self.o_proj(out.reshape(1, t, -1)), None
+
+
+def _fusable(model: nn.Module):
+    for module in model.modules():
+        name = type(module).__name__
+        if name in _NORMS:
+            forward = partial(_norm_forward, style=_NORMS[name][0], eps=_NORMS[name][1])
+        elif name in _ATTENTIONS:
+            forward = partial(_attention_forward, window=_ATTENTIONS[name])
+        elif (all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
+              and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
+            forward = _mlp_forward
+        else:
+            continue
+        yield module, forward
+
+
+def fuse_body(model: nn.Module, backend: Backend = "auto") -> None:
+    """Gives the body's RMSNorms, SiLU-gated MLPs and attention blocks (of the families in the tables above) the
+    forwards that run our kernels where `backend` resolves to Triton (CUDA by default), else their torch formulas."""
+    for module, forward in _fusable(model):
+        module.forward = types.MethodType(partial(forward, backend=backend), module)
+
+
+def unfuse_body(model: nn.Module) -> None:
+    """HF's own forwards back (for comparisons)."""
+    for module, _ in _fusable(model):
+        module.__dict__.pop("forward", None)
