@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--skip-fixed", action="store_true")
     parser.add_argument("--skip-mixed", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--worker-only", action="store_true", help="of the mixed cases, only LogProbWorker's")
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
     args = parser.parse_args()
@@ -223,10 +224,11 @@ def main() -> None:
                     record("mixed", f"naive padded x{bs}", real, s, p)
                 except torch.OutOfMemoryError:
                     print(f"naive padded x{bs}: out of memory", flush=True)
-            batches = list(padded_batches(seqs, 8, device))
-            s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
-            record("mixed", "patched, padded x8", real, s, p)
-            for attention in ("flex", "varlen"):  # how packed rows attend (patch_model's packed_attention)
+            batches = [] if args.worker_only else list(padded_batches(seqs, 8, device))
+            if batches:
+                s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
+                record("mixed", "patched, padded x8", real, s, p)
+            for attention in () if args.worker_only else ("flex", "varlen"):  # patch_model's packed_attention
                 patch_model(model, backend=backend, packed_attention=attention)
                 for r in row_sizes[:1] if attention == "flex" else row_sizes:
                     rows = list(packed_rows(seqs, r, device))

@@ -10,7 +10,7 @@ nvidia-smi -L
 if [[ $STAGES == *tests* ]]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/workers/models} 2>&1 | tee "$OUT/tests.log" | tail -6
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/workers/models/test_rms_norm.py \
-    tests/workers/models/test_silu_mul.py 2>&1 | tee -a "$OUT/tests.log" | tail -3
+    tests/workers/models/test_silu_mul.py tests/workers/models/test_rotary.py 2>&1 | tee -a "$OUT/tests.log" | tail -3
 fi
 cd benchmarks
 if [[ $STAGES == *probe* ]]; then
