@@ -7,10 +7,11 @@ entropy; both [B, T], fp32, and 0 where there is no next token (the last positio
 `scored` ([N] indices into the flattened [B * T] positions) sends only those positions through the head and
 returns [N] results; `compute_entropy=False` skips the entropy (None).
 Rows may pack several sequences: position_ids restarting at 0 mark where each begins; no token attends to, or
-takes its label from, another sequence. On CUDA packed rows run varlen attention (varlen_attention.py) where the
-model's attention allows it, else flex_attention for rows of 1024 tokens or more (it skips masked blocks);
-other calls keep the model's own attention. No [B, T, V]
-logits are made. Only the instance is patched (`types.MethodType`); its class is untouched.
+takes its label from, another sequence. Where varlen attention runs (varlen_attention.py: CUDA, 16-bit, an
+attention it takes) every call becomes one row of its real tokens, whatever its layout; elsewhere packed rows of
+1024 tokens or more run flex_attention on CUDA (it skips masked blocks) and other calls the model's own attention.
+The body's norms, MLPs and attention blocks get fused forwards (fuse_body.py). No [B, T, V] logits are made. Only
+the instance and its modules are patched (`types.MethodType`); no class is touched.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A plain class (tests build it without Ray); `WorkerPool` turns it into Ray actors. A request (a ScoreRequest) is
 cut into forwards of at most `max_tokens_per_batch` tokens, laid out one of two ways:
-- "packed" (CUDA's default): several sequences per row, position_ids restarting at 0, no padding; long rows run
-  flex_attention, which skips the masked blocks, so a row costs about what its sequences cost alone.
+- "packed" (CUDA's default): several sequences per row, position_ids restarting at 0, no padding; rows attend
+  through varlen attention (flex_attention where it does not apply), so a row costs what its sequences cost alone.
 - "padded" (the CPU's default): a batch of sequences of similar lengths (within 1.5x), right-padded. Without a
   kernel that skips masked blocks, attention over a packed row costs (row length)^2, however short its sequences.
 Results come back in request order. On CUDA out-of-memory a forward is split in half and retried. Per-sequence
@@ -141,6 +141,18 @@ class LogProbWorker(WeightsHolder):
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
+        if cuda:
+            self._warm_up()
+
+    @torch.no_grad()
+    def _warm_up(self) -> None:
+        """Compiles the Triton kernels (head, norms, rotary, MLP) at start-up, not in the first request's time: a
+        packed row of two short sequences, scored as requests are, with and without entropy."""
+        ids = torch.zeros(1, 64, dtype=torch.long, device=self.device)
+        positions = torch.arange(32, device=self.device).repeat(2)[None]
+        for entropy in (True, False):
+            self._forward(input_ids=ids, position_ids=positions, temperature=torch.ones(1, 64, device=self.device),
+                          scored=torch.arange(8, device=self.device), compute_entropy=entropy)
 
     def info(self) -> dict:
         node = None
