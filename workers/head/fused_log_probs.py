@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
 Backend = Literal["auto", "torch", "triton"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,7 +55,8 @@ def _position(flat_index: int, shape: torch.Size) -> str:
     return "[" + ", ".join(map(str, reversed(idx))) + "]"
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, backend: str) -> None:
+def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, backend: str,
+                  vocab: int | None = None) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -77,7 +79,7 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
         raise ValueError(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
         )
-    vocab = weight.shape[0]
+    vocab = vocab or weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         first = int(bad.flatten().nonzero()[0])
@@ -162,6 +164,7 @@ def fused_log_probs(
     backend: Backend = "auto",
     chunk_size: int = 512,
     softcap: float | None = None,
+    process_group=None,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(labels | hidden) and the entropy of the same distribution, per token, from the LM head weight.
 
@@ -171,6 +174,9 @@ def fused_log_probs(
     applied before the temperature.
     Returns (log_probs, entropy), fp32 and shaped like labels; entropy is None when compute_entropy=False.
     Ignored tokens give 0 and no gradient. Differentiable in hidden and weight.
+    process_group: the vocabulary is split across its ranks (vocab_parallel.py): weight holds this rank's rows,
+    `torch.tensor_split(torch.arange(V), N)[rank]`; hidden, labels (global ids) and temperature are the same on
+    every rank, and so are the results. d_hidden comes back whole (summed over the group), d_weight for these rows.
     """
     opts = HeadOptions(
         backend=resolve_backend(backend, hidden.device),
@@ -183,7 +189,8 @@ def fused_log_probs(
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if opts.softcap is not None and not (math.isfinite(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
-    _check_inputs(hidden, weight, labels, ignore_index, opts.backend)
+    start, vocab = vocab_split(weight, process_group) if process_group is not None else (0, None)
+    _check_inputs(hidden, weight, labels, ignore_index, opts.backend, vocab)
     inv_temp = _inverse_temperature(temperature, labels)
     shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -194,7 +201,11 @@ def fused_log_probs(
     if flat_labels.numel() == 0:  # no kernel for no tokens; the empty result still carries hidden's graph
         empty = hidden.sum(-1, dtype=torch.float32)
         return empty, (empty.clone() if compute_entropy else None)
-    log_probs, entropy = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts)
+    if process_group is not None:
+        log_probs, entropy = vocab_parallel_log_probs(flat_hidden, weight, flat_labels, inv_temp, opts,
+                                                      process_group, start)
+    else:
+        log_probs, entropy = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts)
     return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
 
 

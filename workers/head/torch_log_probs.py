@@ -74,7 +74,7 @@ def torch_log_probs_forward(
         lab = _pad_rows(labels[start : start + rows], chunk_size, ignore_index)  # [C]
         ignored = lab == ignore_index
         chunk_lse = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(-1, torch.where(ignored, 0, lab)[:, None])[:, 0]
+        picked = logits.gather(-1, torch.where(ignored | (lab < 0), 0, lab)[:, None])[:, 0]  # (< 0: not here)
         log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse)[:rows].float()
         lse[start : start + rows] = chunk_lse[:rows].float()
         if entropy is not None:
@@ -123,7 +123,8 @@ def torch_log_probs_backward(
         if grad_log_probs is not None:
             g = grad_log_probs[sl, None].to(acc) * keep
             d_logits -= g * probs
-            d_logits.scatter_add_(-1, labels[sl, None].clamp(min=0), g)
+            hit = ((labels[sl] >= 0) & (labels[sl] < weight.shape[0]))[:, None]  # a label not ignored nor elsewhere
+            d_logits.scatter_add_(-1, torch.where(hit, labels[sl, None], 0), g * hit)
         if grad_entropy is not None:
             g = grad_entropy[sl, None].to(acc) * keep
             d_logits -= g * probs * (log_p + entropy[sl, None].to(acc))

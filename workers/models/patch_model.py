@@ -230,7 +230,7 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
     keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
     ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
     real = ids.shape[0]
-    if real < min_tokens:
+    if real < max(min_tokens, 1):  # (a call of padding only still gets one row)
         filler = torch.arange(min_tokens - real, device=ids.device)
         ids, positions = torch.cat([ids, torch.zeros_like(filler)]), torch.cat([positions, filler])
         begins = torch.cat([begins, filler == 0])

@@ -1,0 +1,99 @@
+"""The fused head over a vocabulary split across the ranks of a process group (tensor parallelism).
+
+Rank r holds weight rows [start_r, start_r + V_r) (`torch.tensor_split(torch.arange(V), N)[r]`, or any split in
+rank order); hidden states and labels (global ids) are the same on every rank. Each rank runs the single-device
+head (either backend) on its rows, labels outside them marked "elsewhere", and gets per token its own lse_r, its
+own mean logit mu_r = sum_j p_j z_j over its rows (= lse_r - entropy_r) and, on the rank holding the label, z_label.
+One all_gather of these three floats per token, combined on every rank in rank order (the same bits whatever the
+batch, and on every rank):
+  lse = logsumexp_r(lse_r),  log_prob = z_label - lse,  entropy = lse - sum_r exp(lse_r - lse) * mu_r.
+No [N, V] logits and no weight move between ranks. Backward: each rank runs the single-device backward on its rows
+with the global lse and entropy (which is all its d_logits need), then d_hidden is summed over the group
+(all_reduce): it comes back whole on every rank; d_weight is this rank's rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+
+# label markers inside a rank's call: never a row index, never the caller's ignore_index (translated to _IGNORED)
+_IGNORED, _ELSEWHERE = -2, -1
+
+
+def vocab_split(weight: Tensor, group) -> tuple[int, int]:
+    """(this rank's first global row, V) from every rank's row count, in rank order."""
+    sizes = _gather_rows(torch.tensor([weight.shape[0]], device=weight.device), group)[:, 0].tolist()
+    return sum(sizes[: dist.get_rank(group)]), sum(sizes)
+
+
+def _local_labels(labels: Tensor, ignore_index: int, start: int, rows: int) -> Tensor:
+    local = labels - start
+    local = torch.where((local >= 0) & (local < rows), local, _ELSEWHERE)
+    return torch.where(labels == ignore_index, _IGNORED, local)
+
+
+def _gather_rows(x: Tensor, group) -> Tensor:
+    """[k, N] from every rank -> [world, k, N]."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts, group, start: int):
+        ctx.set_materialize_grads(False)
+        local = _local_labels(labels, opts.ignore_index, start, weight.shape[0])
+        kwargs = dict(ignore_index=_IGNORED, compute_entropy=opts.compute_entropy, softcap=opts.softcap)
+        if opts.backend == "triton":
+            from .triton_log_probs_forward import triton_log_probs_forward
+
+            lp_r, ent_r, lse_r = triton_log_probs_forward(hidden, weight, local, inv_temp, **kwargs)
+        else:
+            lp_r, ent_r, lse_r = torch_log_probs_forward(hidden, weight, local, inv_temp, chunk_size=opts.chunk_size,
+                                                         **kwargs)
+        here = local >= 0
+        z_label = torch.where(here, lp_r + lse_r, 0.0)  # (elsewhere, lp_r is not defined: never used)
+        mu = lse_r - ent_r if ent_r is not None else torch.zeros_like(lse_r)
+        every = _gather_rows(torch.stack([lse_r, mu, z_label]), group)  # [world, 3, N]
+        lse = torch.logsumexp(every[:, 0], dim=0)
+        ignored = labels == opts.ignore_index
+        log_probs = torch.where(ignored, 0.0, every[:, 2].sum(0) - lse)
+        entropy = None
+        if opts.compute_entropy:
+            mean = (torch.exp(every[:, 0] - lse) * every[:, 1]).sum(0)  # sum_j p_j z_j over the whole vocabulary
+            entropy = torch.where(ignored, 0.0, lse - mean)
+        ctx.save_for_backward(hidden, weight, local, inv_temp, lse, entropy)
+        ctx.opts, ctx.group = opts, group
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, local, inv_temp, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
+            return (None,) * 7
+        opts = ctx.opts
+        ## NB: every rank computes d_hidden (its part) even when only the weight needs a gradient here, since the
+        # all_reduce below must be entered by all ranks alike.
+        kwargs = dict(ignore_index=_IGNORED, need_hidden=True, need_weight=need_weight, softcap=opts.softcap)
+        args = (hidden, weight, local, inv_temp, lse, entropy, grad_log_probs, grad_entropy)
+        if opts.backend == "triton":
+            from .triton_log_probs_backward import triton_log_probs_backward
+
+            d_hidden, d_weight = triton_log_probs_backward(*args, **kwargs)
+        else:
+            d_hidden, d_weight = torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
+        summed = d_hidden.float()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed.to(hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None
+
+
+def vocab_parallel_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts, group,
+                             start: int) -> tuple[Tensor, Tensor | None]:
+    """Flattened inputs as `_FusedLogProbs` takes them, this rank's weight rows starting at global row `start`."""
+    return _VocabParallelLogProbs.apply(hidden, weight, labels, inv_temp, opts, group, start)
