@@ -147,6 +147,7 @@ def _forward_for_ppo(
     softcap: float | None,
     packed_attention: PackedAttention,
     min_tokens: int,
+    process_group,
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
@@ -184,7 +185,7 @@ def _forward_for_ppo(
         temperature = temperature.expand(input_ids.shape).reshape(-1)
     log_probs, entropy = fused_log_probs(
         hidden, weight_of(self), labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap,
-        compute_entropy=compute_entropy,
+        compute_entropy=compute_entropy, process_group=process_group,
     )
     if scored is None:  # back to [B, T], 0 where nothing was scored
         log_probs, entropy = (None if x is None else _spread(x, wanted, input_ids.shape) for x in (log_probs, entropy))
@@ -247,18 +248,19 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
 
 
 def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: PackedAttention = "auto",
-                invariant: bool = True) -> nn.Module:
+                invariant: bool = True, process_group=None) -> nn.Module:
     """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward, and runs its
     body's norms and MLP middles through fused kernels (fuse_body).
     `packed_attention`: how packed rows attend (see packed_attention_of). `invariant`: a sequence's results are the
     same bits however it is batched (see README "Exactness"): GEMMs never split their sums (allow_split_k, a
-    process-wide setting that invariant=False leaves as it is) and see at least MIN_TOKENS rows."""
+    process-wide setting that invariant=False leaves as it is) and see at least MIN_TOKENS rows. `process_group`:
+    the model is sharded over it (tensor_parallel.shard_model) and its head scores the vocabulary split."""
     softcap = head_softcap(model)
     packed_attention_of(model, torch.device("cpu"), packed_attention)  # refuses a choice that cannot run it
     if invariant:
         allow_split_k(False)
     forward = partial(_forward_for_ppo, backend=backend, softcap=softcap, packed_attention=packed_attention,
-                      min_tokens=MIN_TOKENS if invariant else 0)
+                      min_tokens=MIN_TOKENS if invariant else 0, process_group=process_group)
     fuse_body(model, backend)
     model.forward = types.MethodType(forward, model)
     return model

@@ -1,0 +1,74 @@
+"""Tensor parallelism on two CPU processes (gloo): tiny models of each supported family sharded over 2 ranks
+give the log-probs and entropies of the same model on one rank (fp32, within 1e-5), padded and packed, through
+the model's own attention and through the varlen path."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+from ppo_logprobs.workers import patch_model
+from ppo_logprobs.workers.models.tensor_parallel import check_shardable, shard_model, shard_of
+from tests.helpers import free_port
+
+from .test_patch_model import batch, pack, tiny
+
+WORLD = 2
+WINDOW = {"mistral": dict(sliding_window=4), "gemma3": dict(sliding_window=4)}
+
+
+def outputs(model, attention):
+    g = torch.Generator().manual_seed(3)
+    ids, mask = batch("right")
+    seqs = [torch.randint(3, 97, (n,), generator=g) for n in (9, 1, 6, 12)]
+    packed, positions = pack(seqs)
+    temps = torch.rand(ids.shape, generator=g) + 0.5
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, temperature=temps)
+        b = model(input_ids=packed, position_ids=positions)
+    return [a.log_probs, a.entropy, b.log_probs, b.entropy]
+
+
+def check(rank, family, tied):
+    model = tiny(family, tied, **WINDOW.get(family, {}))
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    results = {}
+    for attention in ("auto", "varlen"):
+        patch_model(model, backend="torch", packed_attention=attention)
+        results[attention] = outputs(model, attention)
+    shard_model(model, dist.group.WORLD)
+    for name, param in model.named_parameters():  # the parts are the ones shard_of cuts
+        assert torch.equal(param, shard_of(name, full[name], rank, WORLD, model.config)), name
+    assert model.lm_head.weight.shape[0] == (49 if rank == 0 else 48)  # V = 97: tensor_split's uneven halves
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape[0] == 2 * attn.head_dim  # 4 heads: 2 here
+    for attention in ("auto", "varlen"):
+        patch_model(model, backend="torch", packed_attention=attention, process_group=dist.group.WORLD)
+        for got, want in zip(outputs(model, attention), results[attention], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(RuntimeError, match="scores under torch.no_grad"):
+        model(input_ids=torch.ones(1, 5, dtype=torch.long))
+
+
+def run(rank, port, cases):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        for case in cases:
+            check(rank, *case)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_give_the_numbers_of_one():
+    cases = [("llama", True), ("qwen2", False), ("qwen3", False), ("mistral", False), ("gemma3", False)]
+    mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
+
+
+def test_what_cannot_be_sharded_is_named():
+    config = tiny("llama").config
+    with pytest.raises(ValueError, match="num_attention_heads = 4 does not divide among 3 ranks"):
+        check_shardable(config, 3)
+    phi = transformers.Phi3Config(vocab_size=97, hidden_size=32, num_attention_heads=4)
+    with pytest.raises(ValueError, match="not model_type 'phi3'"):
+        check_shardable(phi, 2)

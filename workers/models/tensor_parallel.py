@@ -1,0 +1,102 @@
+"""Tensor parallelism for the supported decoder families: shard one HF model instance across the ranks of a
+process group (Megatron's layout).
+
+Attention: q/k/v projections split by heads (rank r keeps a contiguous block of num_heads / N query heads and
+num_kv_heads / N key-value heads, with their biases), o_proj by the matching input columns. MLP: gate/up split by
+rows (`tensor_split` of the intermediate size), down_proj by the matching columns. o_proj and down_proj then sum
+their partial outputs over the group (all_reduce; their bias is added once, after it). Scoring only: the sharded
+body refuses to run with gradients. The LM
+head keeps the rows `tensor_split(arange(V), N)[r]` and scores through the vocab-parallel fused head (patch_model's
+`process_group`). Embeddings and norms stay whole on every rank.
+
+Which tensors split how is data (`_SPLITS`, by parameter name); `shard_of(name, full, rank, size, config)` gives a
+rank its part of a full tensor, so checkpoints and weight streams can be cut the same way.
+"""
+
+from __future__ import annotations
+
+import types
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+Split = Literal["q_heads", "kv_heads", "in_q_heads", "rows", "columns", "vocab"]
+
+# parameter name suffix -> how it splits (names not listed stay whole on every rank)
+_SPLITS: dict[str, Split] = {
+    "self_attn.q_proj.weight": "q_heads", "self_attn.q_proj.bias": "q_heads",
+    "self_attn.k_proj.weight": "kv_heads", "self_attn.k_proj.bias": "kv_heads",
+    "self_attn.v_proj.weight": "kv_heads", "self_attn.v_proj.bias": "kv_heads",
+    "self_attn.o_proj.weight": "in_q_heads",
+    "mlp.gate_proj.weight": "rows", "mlp.gate_proj.bias": "rows",
+    "mlp.up_proj.weight": "rows", "mlp.up_proj.bias": "rows",
+    "mlp.down_proj.weight": "columns",
+    "lm_head.weight": "vocab",
+}
+_REDUCED = ("self_attn.o_proj", "mlp.down_proj")  # modules whose outputs are summed over the group
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_shardable(config, size: int) -> None:
+    """ValueError naming what keeps this model from `size` ranks."""
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(f"tensor parallelism supports {', '.join(FAMILIES)}, not model_type {family!r}")
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        if getattr(config, field) % size:
+            raise ValueError(f"{field} = {getattr(config, field)} does not divide among {size} ranks")
+
+
+def shard_of(name: str, full: Tensor, rank: int, size: int, config) -> Tensor:
+    """This rank's part of the full tensor `name` (a view; the tensor itself when it stays whole)."""
+    how = next((s for suffix, s in _SPLITS.items() if name.endswith(suffix)), None)
+    if how is None or size == 1:
+        return full
+    d = _head_dim(config)
+    if how in ("q_heads", "kv_heads", "in_q_heads"):
+        heads = config.num_attention_heads if how != "kv_heads" else config.num_key_value_heads
+        per = heads // size * d
+        return full[rank * per : (rank + 1) * per] if how != "in_q_heads" else full[:, rank * per : (rank + 1) * per]
+    if how == "columns":
+        return torch.tensor_split(full, size, dim=1)[rank]
+    return torch.tensor_split(full, size, dim=0)[rank]  # rows, vocab
+
+
+def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
+    # x: [..., in / N] -> this rank's partial [..., out], summed over the group, then the bias once
+    y = nn.functional.linear(x, self.weight)
+    if y.requires_grad:
+        raise RuntimeError("a tensor-parallel model scores under torch.no_grad(): its layers carry no gradients "
+                           "across ranks (the fused head does)")
+    dist.all_reduce(y, group=group)
+    return y if self.bias is None else y + self.bias
+
+
+def shard_model(model: nn.Module, group) -> nn.Module:
+    """Cuts this model instance's parameters to this rank's parts (in place) and makes o_proj and down_proj sum
+    over `group`. Score it with `patch_model(model, process_group=group)`."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = model.config
+    check_shardable(config, size)
+    if size == 1:
+        return model
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        part = shard_of(name, param.data, rank, size, config)
+        if part is param.data:
+            continue
+        owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        setattr(owner, attr, nn.Parameter(part.clone(), requires_grad=param.requires_grad))
+    for name, module in model.named_modules():
+        if name.endswith(_REDUCED):
+            module.forward = types.MethodType(partial(_reduced_forward, group=group), module)
+    if tied:  # the head now has rows of its own; keep the config honest for save_pretrained
+        config.tie_word_embeddings = False
+    return model
