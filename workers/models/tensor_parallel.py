@@ -60,13 +60,17 @@ def shard_of(name: str, full: Tensor, rank: int, size: int, config) -> Tensor:
     if how is None or size == 1:
         return full
     d = _head_dim(config)
+    heads = config.num_key_value_heads if how == "kv_heads" else config.num_attention_heads
+    dim = 1 if how in ("in_q_heads", "columns") else 0
+    whole = {"rows": config.intermediate_size, "columns": config.intermediate_size, "vocab": config.vocab_size}
+    expected = whole.get(how, heads * d)
+    if full.shape[dim] != expected:
+        raise ValueError(f"{name} has {full.shape[dim]} entries along dim {dim}, not the whole model's {expected} "
+                         "(already cut, or another model's tensor)")
     if how in ("q_heads", "kv_heads", "in_q_heads"):
-        heads = config.num_attention_heads if how != "kv_heads" else config.num_key_value_heads
         per = heads // size * d
-        return full[rank * per : (rank + 1) * per] if how != "in_q_heads" else full[:, rank * per : (rank + 1) * per]
-    if how == "columns":
-        return torch.tensor_split(full, size, dim=1)[rank]
-    return torch.tensor_split(full, size, dim=0)[rank]  # rows, vocab
+        return full.narrow(dim, rank * per, per)
+    return torch.tensor_split(full, size, dim=dim)[rank]  # rows, columns, vocab
 
 
 def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
@@ -79,10 +83,8 @@ def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
     return y if self.bias is None else y + self.bias
 
 
-def shard_model(model: nn.Module, group) -> nn.Module:
-    """Cuts this model instance's parameters to this rank's parts (in place) and makes o_proj and down_proj sum
-    over `group`. Score it with `patch_model(model, process_group=group)`."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
+    """Replaces this model instance's parameters by this rank's parts (in place; on any device, meta included)."""
     config = model.config
     check_shardable(config, size)
     if size == 1:
@@ -94,9 +96,38 @@ def shard_model(model: nn.Module, group) -> nn.Module:
             continue
         owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
         setattr(owner, attr, nn.Parameter(part.clone(), requires_grad=param.requires_grad))
-    for name, module in model.named_modules():
-        if name.endswith(_REDUCED):
-            module.forward = types.MethodType(partial(_reduced_forward, group=group), module)
     if tied:  # the head now has rows of its own; keep the config honest for save_pretrained
         config.tie_word_embeddings = False
     return model
+
+
+def connect(model: nn.Module, group) -> nn.Module:
+    """Makes a cut model's o_proj and down_proj sum their outputs over `group`."""
+    if dist.get_world_size(group) > 1:
+        for name, module in model.named_modules():
+            if name.endswith(_REDUCED):
+                module.forward = types.MethodType(partial(_reduced_forward, group=group), module)
+    return model
+
+
+def shard_model(model: nn.Module, group) -> nn.Module:
+    """Cuts this model instance to this rank's parts and connects it to `group`. Score it with
+    `patch_model(model, process_group=group)`."""
+    return connect(cut_model(model, dist.get_rank(group), dist.get_world_size(group)), group)
+
+
+def build_sharded(config, rank: int, size: int, *, device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """This rank's part of a model of `config` with random weights (HF's initialisation), built without the whole
+    model ever existing anywhere: for models whose checkpoint does not fit (benchmarks) and for weights that an
+    update fills. Tensors that stay whole get the same values on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    cut_model(model, rank, size)
+    model.to_empty(device=device)
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        torch.manual_seed(seed)  # the embeddings are drawn first, alike on every rank; then the rank's own parts
+        model.initialize_weights()
+    return model.eval()

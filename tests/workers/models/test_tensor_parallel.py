@@ -9,7 +9,13 @@ import torch.multiprocessing as mp
 import transformers
 
 from ppo_logprobs.workers import patch_model
-from ppo_logprobs.workers.models.tensor_parallel import check_shardable, shard_model, shard_of
+from ppo_logprobs.workers.models.tensor_parallel import (
+    build_sharded,
+    check_shardable,
+    connect,
+    shard_model,
+    shard_of,
+)
 from tests.helpers import free_port
 
 from .test_patch_model import batch, pack, tiny
@@ -51,11 +57,40 @@ def check(rank, family, tied):
         model(input_ids=torch.ones(1, 5, dtype=torch.long))
 
 
+def check_built(rank, family):
+    """A rank's part built straight from the config: its shapes, whole tensors alike on both ranks, HF's buffers
+    (rotary frequencies, Gemma's embedding scale), and it scores."""
+    whole = tiny(family)
+    model = build_sharded(whole.config, rank, WORLD, device="cpu", dtype=torch.float32, seed=1)
+    cut = dict(model.named_parameters())
+    for name, param in whole.named_parameters():
+        assert cut[name].shape == shard_of(name, param, rank, WORLD, whole.config).shape, name
+        if cut[name].shape == param.shape and "lm_head" not in name:
+            assert same_on_every_rank(cut[name]), name
+    for name, buffer in whole.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, msg=name)
+    with pytest.raises(ValueError, match=r"q_proj.weight has 16 entries along dim 0, not the whole model's 32 \("):
+        shard_model(model, dist.group.WORLD)
+    connect(model, dist.group.WORLD)
+    patch_model(model, backend="torch", process_group=dist.group.WORLD)
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(3, 20)[None])
+    assert torch.isfinite(out.log_probs).all() and same_on_every_rank(out.log_probs)
+
+
+def same_on_every_rank(x):
+    parts = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(parts, x.contiguous())
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
 def run(rank, port, cases):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for case in cases:
             check(rank, *case)
+        for family in ("qwen2", "gemma3"):
+            check_built(rank, family)
     finally:
         dist.destroy_process_group()
 
