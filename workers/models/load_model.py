@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ..head import Backend
 from .patch_model import patch_model
+from .tensor_parallel import build_sharded, connect, shard_model
 
 # A real Qwen2 architecture, small enough for CPU tests and demos; its weights are random with a fixed seed.
 TINY_CONFIG = dict(
@@ -33,28 +35,38 @@ def load_model(
     attn_implementation: str | None = None,
     backend: Backend = "auto",
     config: dict | None = None,
+    process_group=None,
 ) -> nn.Module:
     """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
 
     Nothing is fetched from a hub: a name that is not a local directory fails. With `config` (a config's
     `to_dict()`), name_or_path is not read: the model of that config is built on `device` with weights left as
-    initialised, for a weight update to fill.
+    initialised, for a weight update to fill. With `process_group`, this rank's tensor-parallel part
+    (tensor_parallel.py): cut from the whole model read on the CPU, or, from `config`, built alone.
     """
     if config is not None:
         config = dict(config)
         built = AutoConfig.for_model(config.pop("model_type"), **config)
         if attn_implementation is not None:
             built._attn_implementation = attn_implementation
+        dtype = dtype or config.get("dtype") or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if process_group is not None:
+            rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            model = build_sharded(built, rank, size, device=device or "cpu", dtype=dtype)
+            return patch_model(connect(model, process_group), backend=backend, process_group=process_group)
         with torch.device(device or "cpu"):
-            model = AutoModelForCausalLM.from_config(built, dtype=dtype or config.get("dtype") or torch.float32)
+            model = AutoModelForCausalLM.from_config(built, dtype=dtype)
     elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True
         )
+    if process_group is not None:
+        shard_model(model, process_group)
     if dtype is not None:
         model = model.to(dtype)
     if device is not None:
         model = model.to(device)
-    return patch_model(model.eval(), backend=backend)
+    return patch_model(model.eval(), backend=backend, process_group=process_group)

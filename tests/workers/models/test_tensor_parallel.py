@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
-from ppo_logprobs.workers import patch_model
+from ppo_logprobs.workers import load_model, patch_model
 from ppo_logprobs.workers.models.tensor_parallel import (
     build_sharded,
     check_shardable,
@@ -78,6 +78,17 @@ def check_built(rank, family):
     assert torch.isfinite(out.log_probs).all() and same_on_every_rank(out.log_probs)
 
 
+def check_loaded():
+    """load_model(..., process_group=): the built-in tiny model, cut for this rank, scores as the whole one."""
+    whole = load_model("tiny", backend="torch")
+    part = load_model("tiny", backend="torch", process_group=dist.group.WORLD)
+    ids = torch.randint(0, 503, (2, 30), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want, got = whole(input_ids=ids), part(input_ids=ids)
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+
+
 def same_on_every_rank(x):
     parts = [torch.empty_like(x) for _ in range(WORLD)]
     dist.all_gather(parts, x.contiguous())
@@ -91,6 +102,7 @@ def run(rank, port, cases):
             check(rank, *case)
         for family in ("qwen2", "gemma3"):
             check_built(rank, family)
+        check_loaded()
     finally:
         dist.destroy_process_group()
 
