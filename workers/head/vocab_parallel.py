@@ -15,7 +15,6 @@ with the global lse and entropy (which is all its d_logits need), then d_hidden 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
@@ -26,8 +25,8 @@ _IGNORED, _ELSEWHERE = -2, -1
 
 def vocab_split(weight: Tensor, group) -> tuple[int, int]:
     """(this rank's first global row, V) from every rank's row count, in rank order."""
-    sizes = _gather_rows(torch.tensor([weight.shape[0]], device=weight.device), group)[:, 0].tolist()
-    return sum(sizes[: dist.get_rank(group)]), sum(sizes)
+    sizes = gather_rows(torch.tensor([weight.shape[0]], device=weight.device), group)[:, 0].tolist()
+    return sum(sizes[: group.rank()]), sum(sizes)
 
 
 def _local_labels(labels: Tensor, ignore_index: int, start: int, rows: int) -> Tensor:
@@ -36,11 +35,19 @@ def _local_labels(labels: Tensor, ignore_index: int, start: int, rows: int) -> T
     return torch.where(labels == ignore_index, _IGNORED, local)
 
 
-def _gather_rows(x: Tensor, group) -> Tensor:
+## NB: collectives go through the group object's own methods, so that a group made outside torch.distributed's
+# registry (a worker's, transfer.open_group) serves as well as one from init_process_group / new_group.
+def gather_rows(x: Tensor, group) -> Tensor:
     """[k, N] from every rank -> [world, k, N]."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    group.allgather([parts], [x.contiguous()]).wait()
     return torch.stack(parts)
+
+
+def sum_over(x: Tensor, group) -> Tensor:
+    """x summed over the group, in place."""
+    group.allreduce([x]).wait()
+    return x
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -59,7 +66,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         here = local >= 0
         z_label = torch.where(here, lp_r + lse_r, 0.0)  # (elsewhere, lp_r is not defined: never used)
         mu = lse_r - ent_r if ent_r is not None else torch.zeros_like(lse_r)
-        every = _gather_rows(torch.stack([lse_r, mu, z_label]), group)  # [world, 3, N]
+        every = gather_rows(torch.stack([lse_r, mu, z_label]), group)  # [world, 3, N]
         lse = torch.logsumexp(every[:, 0], dim=0)
         ignored = labels == opts.ignore_index
         log_probs = torch.where(ignored, 0.0, every[:, 2].sum(0) - lse)
@@ -88,8 +95,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             d_hidden, d_weight = triton_log_probs_backward(*args, **kwargs)
         else:
             d_hidden, d_weight = torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
-        summed = d_hidden.float()
-        dist.all_reduce(summed, group=ctx.group)
+        summed = sum_over(d_hidden.float(), ctx.group)
         return summed.to(hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -52,7 +51,7 @@ def load_model(
         dtype = dtype or config.get("dtype") or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if process_group is not None:
-            rank, size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            rank, size = process_group.rank(), process_group.size()
             model = build_sharded(built, rank, size, device=device or "cpu", dtype=dtype)
             return patch_model(connect(model, process_group), backend=backend, process_group=process_group)
         with torch.device(device or "cpu"):

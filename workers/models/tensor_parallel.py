@@ -20,8 +20,9 @@ from functools import partial
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+
+from ..head.vocab_parallel import sum_over
 
 Split = Literal["q_heads", "kv_heads", "in_q_heads", "rows", "columns", "vocab"]
 
@@ -79,7 +80,7 @@ def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
     if y.requires_grad:
         raise RuntimeError("a tensor-parallel model scores under torch.no_grad(): its layers carry no gradients "
                            "across ranks (the fused head does)")
-    dist.all_reduce(y, group=group)
+    sum_over(y, group)
     return y if self.bias is None else y + self.bias
 
 
@@ -103,7 +104,7 @@ def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
 
 def connect(model: nn.Module, group) -> nn.Module:
     """Makes a cut model's o_proj and down_proj sum their outputs over `group`."""
-    if dist.get_world_size(group) > 1:
+    if group.size() > 1:
         for name, module in model.named_modules():
             if name.endswith(_REDUCED):
                 module.forward = types.MethodType(partial(_reduced_forward, group=group), module)
@@ -113,7 +114,7 @@ def connect(model: nn.Module, group) -> nn.Module:
 def shard_model(model: nn.Module, group) -> nn.Module:
     """Cuts this model instance to this rank's parts and connects it to `group`. Score it with
     `patch_model(model, process_group=group)`."""
-    return connect(cut_model(model, dist.get_rank(group), dist.get_world_size(group)), group)
+    return connect(cut_model(model, group.rank(), group.size()), group)
 
 
 def build_sharded(config, rank: int, size: int, *, device, dtype: torch.dtype, seed: int = 0) -> nn.Module:
