@@ -55,23 +55,30 @@ def check_shardable(config, size: int) -> None:
             raise ValueError(f"{field} = {getattr(config, field)} does not divide among {size} ranks")
 
 
-def shard_of(name: str, full: Tensor, rank: int, size: int, config) -> Tensor:
-    """This rank's part of the full tensor `name` (a view; the tensor itself when it stays whole)."""
+def part_of(name: str, shape: tuple[int, ...], rank: int, size: int, config) -> tuple[int, int, int] | None:
+    """Where this rank's part of the whole tensor `name` of `shape` lies, (dim, start, length), or None when it
+    stays whole. ValueError when `shape` is not the whole model's."""
     how = next((s for suffix, s in _SPLITS.items() if name.endswith(suffix)), None)
     if how is None or size == 1:
-        return full
-    d = _head_dim(config)
+        return None
     heads = config.num_key_value_heads if how == "kv_heads" else config.num_attention_heads
     dim = 1 if how in ("in_q_heads", "columns") else 0
     whole = {"rows": config.intermediate_size, "columns": config.intermediate_size, "vocab": config.vocab_size}
-    expected = whole.get(how, heads * d)
-    if full.shape[dim] != expected:
-        raise ValueError(f"{name} has {full.shape[dim]} entries along dim {dim}, not the whole model's {expected} "
-                         "(already cut, or another model's tensor)")
+    expected = whole.get(how, heads * _head_dim(config))
+    if len(shape) <= dim or shape[dim] != expected:
+        raise ValueError(f"{name} has shape {list(shape)}, not {expected} entries along dim {dim} as the whole "
+                         "model's (already cut, or another model's tensor)")
     if how in ("q_heads", "kv_heads", "in_q_heads"):
-        per = heads // size * d
-        return full.narrow(dim, rank * per, per)
-    return torch.tensor_split(full, size, dim=dim)[rank]  # rows, columns, vocab
+        per = expected // size
+        return dim, rank * per, per
+    lengths = [expected // size + (i < expected % size) for i in range(size)]  # torch.tensor_split's
+    return dim, sum(lengths[:rank]), lengths[rank]
+
+
+def shard_of(name: str, full: Tensor, rank: int, size: int, config) -> Tensor:
+    """This rank's part of the full tensor `name` (a view; the tensor itself when it stays whole)."""
+    where = part_of(name, tuple(full.shape), rank, size, config)
+    return full if where is None else full.narrow(*where)
 
 
 def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
@@ -99,6 +106,7 @@ def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
         setattr(owner, attr, nn.Parameter(part.clone(), requires_grad=param.requires_grad))
     if tied:  # the head now has rows of its own; keep the config honest for save_pretrained
         config.tie_word_embeddings = False
+    model.tp_shard = (rank, size)  # read by the loaders (weights/checkpoint.py)
     return model
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
 from .staging import Layout, StagedWeights, match_model
@@ -102,15 +102,35 @@ def read_index(path: str) -> dict[str, TensorSpec]:
     return index
 
 
-def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout]:
-    """The checkpoint's tensors and their staging layout; every refusal raised before any data is read."""
+def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout, dict]:
+    """The checkpoint's tensors, their staging layout, and, for a tensor-parallel model (`tp_shard`, see
+    models/tensor_parallel.py), where its part of each tensor lies; every refusal raised before any data is read."""
     index = read_index(path)
-    layout = match_model(model, {n: s.shape for n, s in index.items()}, full=True, what="the checkpoint")
+    parts: dict[str, tuple[int, int, int] | None] = {}
+    shard = getattr(model, "tp_shard", None)
+    if shard is not None:
+        from ..models.tensor_parallel import part_of
+
+        embed = model.get_input_embeddings().weight
+        embed_name = next(n for n, p in model.named_parameters() if p is embed)
+        if "lm_head.weight" not in index and embed_name in index:  # a tied checkpoint: the head reads the embedding
+            index["lm_head.weight"] = index[embed_name]
+        for name, spec in index.items():
+            try:
+                parts[name] = part_of(name, spec.shape, *shard, model.config)
+            except ValueError as e:
+                raise IncompatibleWeights(str(e)) from None
+    shapes = {n: _part_shape(s.shape, parts.get(n)) for n, s in index.items()}
+    layout = match_model(model, shapes, full=True, what="the checkpoint")
     for entry in layout.entries:
         dtype = index[entry.name].dtype
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
-    return index, layout
+    return index, layout, parts
+
+
+def _part_shape(shape: tuple[int, ...], part: tuple[int, int, int] | None) -> tuple[int, ...]:
+    return shape if part is None else shape[: part[0]] + (part[2],) + shape[part[0] + 1 :]
 
 
 _slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads
@@ -137,25 +157,43 @@ def _read_range(fd: int, offset: int, out: memoryview) -> None:
 
 def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
     """Reads the whole checkpoint at `path` into a new staging buffer for `model` (commit() applies it)."""
-    index, layout = check_checkpoint(model, path)
+    index, layout, parts = check_checkpoint(model, path)
     device = next(model.parameters()).device
     staged = StagedWeights(layout, device)
     fds = {file: os.open(file, os.O_RDONLY) for file in {index[e.name].file for e in layout.entries}}
     try:
-        jobs = []  # (fd, file offset, bytes, source dtype, destination: a flat slice of the staged tensor)
+        # (fd, file offset, bytes, source dtype, destination, columns): the destination is a flat slice of the
+        # staged tensor, or rows of it when `columns` (the source's row length, the part's first column) is given
+        jobs = []
         for entry in layout.entries:
-            spec = index[entry.name]
+            spec, part = index[entry.name], parts.get(entry.name)
+            size = spec.dtype.itemsize
+            if part is not None and part[0] == 1:  # columns of a matrix: whole rows read, the part's columns kept
+                cols = spec.shape[1]
+                dst = staged.tensor(entry)  # [rows, length]
+                step = max(1, CHUNK_BYTES // (cols * size))
+                for lo in range(0, spec.shape[0], step):
+                    n = min(step, spec.shape[0] - lo)
+                    jobs.append((fds[spec.file], spec.start + lo * cols * size, n * cols * size, spec.dtype,
+                                 dst[lo : lo + n], (cols, part[1])))
+                continue
+            start = spec.start + (part[1] * math.prod(spec.shape[1:]) * size if part is not None else 0)  # rows
             dst = staged.tensor(entry).view(-1)
-            step = max(1, CHUNK_BYTES // spec.dtype.itemsize)
+            step = max(1, CHUNK_BYTES // size)
             for lo in range(0, dst.numel(), step):
                 n = min(step, dst.numel() - lo)
-                jobs.append((fds[spec.file], spec.start + lo * spec.dtype.itemsize, n * spec.dtype.itemsize,
-                             spec.dtype, dst[lo : lo + n]))
+                jobs.append((fds[spec.file], start + lo * size, n * size, spec.dtype, dst[lo : lo + n], None))
         cuda = staged.device.type == "cuda"
         slots = _slot_queue(staged.device) if cuda else None
 
+        def source(raw: Tensor, dtype: torch.dtype, columns: tuple[int, int] | None, dst: Tensor) -> Tensor:
+            src = raw.view(dtype)
+            if columns is None:
+                return src
+            return src.view(-1, columns[0])[:, columns[1] : columns[1] + dst.shape[1]]
+
         def run(job) -> None:
-            fd, offset, nbytes, dtype, dst = job
+            fd, offset, nbytes, dtype, dst, columns = job
             if cuda:
                 buf, stream, done = slots.get()
                 try:
@@ -163,17 +201,17 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
                         done.synchronize()  # the last copy out of this buffer has finished
                     _read_range(fd, offset, memoryview(buf.numpy())[:nbytes])
                     with torch.cuda.stream(stream):
-                        dst.copy_(buf[:nbytes].view(dtype), non_blocking=True)
+                        dst.copy_(source(buf[:nbytes], dtype, columns, dst), non_blocking=True)
                         done = torch.cuda.Event()
                         done.record(stream)
                 finally:
                     slots.put((buf, stream, done))
-            elif dtype == dst.dtype:
+            elif dtype == dst.dtype and columns is None:
                 _read_range(fd, offset, memoryview(dst.view(torch.uint8).numpy()))
             else:
                 tmp = torch.empty(nbytes, dtype=torch.uint8)
                 _read_range(fd, offset, memoryview(tmp.numpy()))
-                dst.copy_(tmp.view(dtype))
+                dst.copy_(source(tmp, dtype, columns, dst))
 
         with ThreadPoolExecutor(READ_THREADS) as pool:
             list(pool.map(run, jobs))

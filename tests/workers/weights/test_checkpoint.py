@@ -107,3 +107,31 @@ def _header(dtype, shape, nbytes) -> bytes:
     """A one-tensor safetensors file "x" whose header says this dtype, shape and byte count."""
     text = json.dumps({"x": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
     return struct.pack("<Q", len(text)) + text + bytes(nbytes)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tensor_parallel_rank_reads_its_parts(tmp_path, monkeypatch, tied):
+    """A model cut for rank r of 2 (heads, MLP rows and columns, vocabulary rows: models/tensor_parallel.py) reads
+    exactly shard_of(the whole tensor) of each checkpoint tensor; column parts in several row blocks; a tied
+    checkpoint's embedding gives the head its rows."""
+    from ppo_logprobs.workers.models.tensor_parallel import cut_model, shard_of
+
+    source = perturbed(4, tie_word_embeddings=tied)
+    path = save(source, tmp_path / "whole")
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1000)  # column parts read a few rows at a time
+    whole = params(source)
+    for rank in (0, 1):
+        model = cut_model(load_model("tiny", backend="torch"), rank, 2)
+        read_checkpoint(model, path).commit(model)
+        for name, p in params(model).items():
+            want = shard_of(name, whole.get(name, whole["model.embed_tokens.weight"]), rank, 2, model.config)
+            assert torch.equal(p, want), name
+        assert model.lm_head.weight.shape[0] == (252 if rank == 0 else 251)
+
+
+def test_a_tensor_parallel_rank_refuses_another_models_tensors(tmp_path):
+    from ppo_logprobs.workers.models.tensor_parallel import cut_model
+
+    path = save(perturbed(5, intermediate_size=96), tmp_path / "other")
+    with pytest.raises(IncompatibleWeights, match=r"mlp.down_proj.weight has shape \[64, 96\], not 128 entries"):
+        read_checkpoint(cut_model(load_model("tiny", backend="torch"), 0, 2), path)
