@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from ..head import Backend
 from .patch_model import patch_model
-from .tensor_parallel import build_sharded, connect, shard_model
+from .tensor_parallel import build_sharded, connect, cut_model
 
 # A real Qwen2 architecture, small enough for CPU tests and demos; its weights are random with a fixed seed.
 TINY_CONFIG = dict(
@@ -35,14 +35,18 @@ def load_model(
     backend: Backend = "auto",
     config: dict | None = None,
     process_group=None,
+    shard: tuple[int, int] | None = None,
 ) -> nn.Module:
     """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
 
     Nothing is fetched from a hub: a name that is not a local directory fails. With `config` (a config's
     `to_dict()`), name_or_path is not read: the model of that config is built on `device` with weights left as
     initialised, for a weight update to fill. With `process_group`, this rank's tensor-parallel part
-    (tensor_parallel.py): cut from the whole model read on the CPU, or, from `config`, built alone.
+    (tensor_parallel.py): cut from the whole model read on the CPU, or, from `config`, built alone. `shard`
+    (rank, size) cuts without a group yet (a pool's rank joins its group later; it scores only then).
     """
+    if process_group is not None:
+        shard = (process_group.rank(), process_group.size())
     if config is not None:
         config = dict(config)
         built = AutoConfig.for_model(config.pop("model_type"), **config)
@@ -50,10 +54,11 @@ def load_model(
             built._attn_implementation = attn_implementation
         dtype = dtype or config.get("dtype") or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        if process_group is not None:
-            rank, size = process_group.rank(), process_group.size()
-            model = build_sharded(built, rank, size, device=device or "cpu", dtype=dtype)
-            return patch_model(connect(model, process_group), backend=backend, process_group=process_group)
+        if shard is not None:
+            model = build_sharded(built, *shard, device=device or "cpu", dtype=dtype)
+            if process_group is not None:
+                connect(model, process_group)
+            return patch_model(model, backend=backend, process_group=process_group)
         with torch.device(device or "cpu"):
             model = AutoModelForCausalLM.from_config(built, dtype=dtype)
     elif name_or_path == "tiny":
@@ -62,8 +67,10 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True
         )
+    if shard is not None:
+        cut_model(model, *shard)
     if process_group is not None:
-        shard_model(model, process_group)
+        connect(model, process_group)
     if dtype is not None:
         model = model.to(dtype)
     if device is not None:

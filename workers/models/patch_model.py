@@ -151,6 +151,9 @@ def _forward_for_ppo(
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
+    if process_group is None and getattr(self, "tp_shard", None) is not None:
+        raise RuntimeError(f"this model holds rank {self.tp_shard[0]} of {self.tp_shard[1]}'s part: it scores once "
+                           "patched with its group (patch_model(model, process_group=...), tensor_parallel.connect)")
     segments = packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
     if segments is not None and attention_mask is not None:

@@ -141,7 +141,7 @@ class LogProbWorker(WeightsHolder):
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
         self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
-        if cuda:
+        if cuda and getattr(self.model, "tp_shard", None) is None:  # (a rank warms up once in its group)
             self._warm_up()
 
     @torch.no_grad()

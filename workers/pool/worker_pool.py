@@ -24,9 +24,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
+from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, WeightOwner
+from .rank_group import RankGroup
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -38,17 +40,21 @@ def _actor_name(pool: str, index: int) -> str:
     return f"{pool}:worker:{index}"
 
 
-class _PooledWorker(LogProbWorker):
+class _PooledWorker(RankGroup, LogProbWorker):
     """The actor class: a LogProbWorker that also keeps its pool's placement group (so a pool attached by name,
     from a job whose namespace cannot see the group's name, can still free it), and that, when Ray restarts it,
-    takes its weights from where its pool's owner says they are now."""
+    takes its weights from where its pool's owner says they are now. With `size` > 1 it is one rank of a
+    tensor-parallel worker (rank_group.py)."""
 
-    def __init__(self, *args, placement=None, owner=None, **kwargs) -> None:
+    def __init__(self, *args, placement=None, owner=None, rank: int = 0, size: int = 1, followers=None,
+                 **kwargs) -> None:
         restore = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             restore = ray.get(owner.restore_spec.remote())
-        super().__init__(*args, restore=restore, **kwargs)
+        shard = dict(shard=(rank, size)) if size > 1 else {}
+        super().__init__(*args, restore=restore, **shard, **kwargs)
         self.placement, self.owner = placement, owner
+        self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"))
 
     def _kept(self, version: int, path: str) -> None:
         self.owner.kept.remote(version, path)
@@ -152,6 +158,7 @@ class WorkerPool:
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
         self.device = info["device"]
         self._placement = placement
+        self._ranks: list = []
 
     @classmethod
     def create(
@@ -160,6 +167,7 @@ class WorkerPool:
         num_workers: int,
         *,
         num_gpus_per_worker: float | None = None,
+        tensor_parallel: int | None = None,
         name: str | None = None,
         max_tokens_per_batch: int = 16384,
         max_restarts: int = -1,
@@ -169,7 +177,9 @@ class WorkerPool:
         **load_options,
     ) -> WorkerPool:
         """Starts num_workers actors in one placement group, and their WeightOwner. num_gpus_per_worker defaults to
-        1 when the cluster has GPUs and 0 (CPU actors) when it has none; `resources` adds custom Ray resources per
+        1 when the cluster has GPUs and 0 (CPU actors) when it has none; a whole number N > 1 makes each worker N
+        actors of one GPU each, holding the model's tensor-parallel parts (`tensor_parallel`, default N; on CPU
+        clusters give it alone, e.g. 2, for gloo ranks). `resources` adds custom Ray resources per
         worker (to pin the workers to node types that have them). With a name, actors and placement group are named
         and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`.
         `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the served weights
@@ -178,9 +188,14 @@ class WorkerPool:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        size = tensor_parallel or (int(num_gpus_per_worker) if float(num_gpus_per_worker).is_integer() else 1) or 1
+        if size > 1:
+            check_shardable(_config_of(model), size)
+            num_gpus_per_worker = 1 if num_gpus_per_worker else 0  # per rank
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
-        placement = placement_group([bundle] * num_workers, strategy="PACK", lifetime="detached" if name else None)
+        placement = placement_group([bundle] * (num_workers * size), strategy="PACK",
+                                    lifetime="detached" if name else None)
         try:
             ray.get(placement.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -197,24 +212,38 @@ class WorkerPool:
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
         actor = ray.remote(_PooledWorker)
-        workers = []
+
+        ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
+
+        def start(i: int, rank: int, **extra):
+            # a tensor-parallel worker's other ranks are named (in NAMESPACE) even in an unnamed pool: its leader
+            # finds them by name (rank_group.py)
+            actor_name = f"{_actor_name(ranks_prefix, i)}:rank:{rank}" if rank else _actor_name(name, i) if name \
+                else None
+            names = dict(name=actor_name, **(detached or dict(namespace=NAMESPACE))) if actor_name else {}
+            return actor.options(
+                num_cpus=1,
+                num_gpus=num_gpus_per_worker,
+                resources=resources or {},
+                max_restarts=max_restarts,
+                max_task_retries=max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement,
+                                                                     placement_group_bundle_index=i * size + rank),
+                **names,
+            ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner, rank=rank,
+                     size=size, **extra, **load_options)
+
+        workers, ranks = [], []
         for i in range(num_workers):
-            workers.append(
-                actor.options(
-                    num_cpus=1,
-                    num_gpus=num_gpus_per_worker,
-                    resources=resources or {},
-                    max_restarts=max_restarts,
-                    max_task_retries=max_restarts,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=i),
-                    **(dict(name=_actor_name(name, i), **detached) if name else {}),
-                ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner,
-                         keep_dir=keep_dir, **load_options)
-            )
+            ranks += [start(i, rank) for rank in range(1, size)]
+            followers = [f"{_actor_name(ranks_prefix, i)}:rank:{rank}" for rank in range(1, size)]
+            workers.append(start(i, 0, followers=followers, keep_dir=keep_dir))
         infos = ray.get([w.info.remote() for w in workers])
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
-        return cls(owner, workers, infos[0], name=name, placement=placement)
+        pool = cls(owner, workers, infos[0], name=name, placement=placement)
+        pool._ranks = ranks  # holds the other ranks of an unnamed pool alive (Ray frees actors nobody holds)
+        return pool
 
     @classmethod
     def connect(cls, name: str) -> WorkerPool:
@@ -302,7 +331,13 @@ class WorkerPool:
     def shutdown(self) -> None:
         """Kills the actors and the owner (no restart), frees their placement group and local copies."""
         ray.wait([w.remove_local_copy.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
+        ranks = list(self.workers)
         for w in self.workers:
+            try:
+                ranks += [ray.get_actor(n, namespace=NAMESPACE) for n in ray.get(w.followers_of.remote(), timeout=30)]
+            except Exception:  # a dead leader: its ranks go with the placement group's removal below
+                pass
+        for w in ranks:
             ray.kill(w, no_restart=True)
         try:
             ray.get(self.owner.forget.remote(), timeout=30)
@@ -311,6 +346,15 @@ class WorkerPool:
         if self._placement is not None:
             remove_placement_group(self._placement)
         self.workers = []
+
+
+def _config_of(model: str):
+    """The config of `model` ("tiny" or a local directory), to check a tensor-parallel size before any actor."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from ..models.load_model import TINY_CONFIG
+
+    return Qwen2Config(**TINY_CONFIG) if model == "tiny" else AutoConfig.from_pretrained(model, local_files_only=True)
 
 
 def _device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
