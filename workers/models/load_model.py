@@ -7,6 +7,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ..head import Backend
+from ..weights.checkpoint import read_checkpoint
 from .patch_model import patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
@@ -42,8 +43,9 @@ def load_model(
     Nothing is fetched from a hub: a name that is not a local directory fails. With `config` (a config's
     `to_dict()`), name_or_path is not read: the model of that config is built on `device` with weights left as
     initialised, for a weight update to fill. With `process_group`, this rank's tensor-parallel part
-    (tensor_parallel.py): cut from the whole model read on the CPU, or, from `config`, built alone. `shard`
-    (rank, size) cuts without a group yet (a pool's rank joins its group later; it scores only then).
+    (tensor_parallel.py): built alone and filled with its part of each checkpoint tensor (the whole model exists
+    nowhere), or from `config` left as initialised. `shard` (rank, size) does the same without a group yet (a
+    pool's rank joins its group later; it scores only then).
     """
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())
@@ -63,6 +65,17 @@ def load_model(
             model = AutoModelForCausalLM.from_config(built, dtype=dtype)
     elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
+    elif shard is not None:  # only this rank's parts are built and read (weights/checkpoint.py), never the whole
+        built = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        if attn_implementation is not None:
+            built._attn_implementation = attn_implementation
+        dtype = dtype or getattr(built, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        model = build_sharded(built, *shard, device=device or "cpu", dtype=dtype)
+        read_checkpoint(model, name_or_path).commit(model)
+        if process_group is not None:
+            connect(model, process_group)
+        return patch_model(model, backend=backend, process_group=process_group)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True

@@ -16,7 +16,7 @@ from ppo_logprobs.workers.models.tensor_parallel import (
     shard_model,
     shard_of,
 )
-from tests.helpers import free_port
+from tests.helpers import free_port, perturbed, save
 
 from .test_patch_model import batch, pack, tiny
 
@@ -78,15 +78,17 @@ def check_built(rank, family):
     assert torch.isfinite(out.log_probs).all() and same_on_every_rank(out.log_probs)
 
 
-def check_loaded():
-    """load_model(..., process_group=): the built-in tiny model, cut for this rank, scores as the whole one."""
-    whole = load_model("tiny", backend="torch")
-    part = load_model("tiny", backend="torch", process_group=dist.group.WORLD)
+def check_loaded(path):
+    """load_model(..., process_group=): the built-in tiny model cut for this rank, and a checkpoint directory of
+    which this rank reads only its parts, score as the whole model."""
     ids = torch.randint(0, 503, (2, 30), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        want, got = whole(input_ids=ids), part(input_ids=ids)
-    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+    for source in ("tiny", path):
+        whole = load_model(source, backend="torch")
+        part = load_model(source, backend="torch", process_group=dist.group.WORLD)
+        with torch.no_grad():
+            want, got = whole(input_ids=ids), part(input_ids=ids)
+        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
 
 
 def same_on_every_rank(x):
@@ -95,21 +97,22 @@ def same_on_every_rank(x):
     return all(torch.equal(p, parts[0]) for p in parts)
 
 
-def run(rank, port, cases):
+def run(rank, port, cases, path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for case in cases:
             check(rank, *case)
         for family in ("qwen2", "gemma3"):
             check_built(rank, family)
-        check_loaded()
+        check_loaded(path)
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_give_the_numbers_of_one():
+def test_two_ranks_give_the_numbers_of_one(tmp_path):
     cases = [("llama", True), ("qwen2", False), ("qwen3", False), ("mistral", False), ("gemma3", False)]
-    mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
+    path = save(perturbed(9), tmp_path / "ckpt")
+    mp.spawn(run, args=(free_port(), cases, path), nprocs=WORLD)
 
 
 def test_what_cannot_be_sharded_is_named():
