@@ -22,7 +22,10 @@ class Settings(BaseSettings):
         "the default",
     )
     workers_per_model: int = Field(1, ge=1)
-    gpus_per_worker: float | None = Field(None, ge=0, description="default: 1 when the cluster has GPUs, else 0")
+    gpus_per_worker: float | None = Field(
+        None, ge=0, description="default: 1 when the cluster has GPUs, else 0; a whole number N > 1 makes each worker "
+        "N tensor-parallel ranks of one GPU each (models larger than one GPU)",
+    )
     worker_resources: dict[str, float] = Field(
         {}, description="custom Ray resources each worker needs, to pin workers to node types"
     )
