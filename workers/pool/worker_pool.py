@@ -189,8 +189,8 @@ class WorkerPool:
         if num_gpus_per_worker is None:
             num_gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         size = tensor_parallel or (int(num_gpus_per_worker) if float(num_gpus_per_worker).is_integer() else 1) or 1
-        if size > 1:
-            check_shardable(_config_of(model), size)
+        if size > 1 and (config := _config_of(model)) is not None:  # (the ranks check again when they load)
+            check_shardable(config, size)
             num_gpus_per_worker = 1 if num_gpus_per_worker else 0  # per rank
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
@@ -349,12 +349,18 @@ class WorkerPool:
 
 
 def _config_of(model: str):
-    """The config of `model` ("tiny" or a local directory), to check a tensor-parallel size before any actor."""
+    """The config of `model` ("tiny" or a local directory), to check a tensor-parallel size before any actor
+    starts; None where this process cannot read it (a head node without the checkpoints)."""
     from transformers import AutoConfig, Qwen2Config
 
     from ..models.load_model import TINY_CONFIG
 
-    return Qwen2Config(**TINY_CONFIG) if model == "tiny" else AutoConfig.from_pretrained(model, local_files_only=True)
+    if model == "tiny":
+        return Qwen2Config(**TINY_CONFIG)
+    try:
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 def _device_of(tensors: Iterable[torch.Tensor]) -> torch.device:

@@ -63,3 +63,8 @@ def test_a_checkpoint_update_reaches_every_rank_and_streams_are_refused(pool, tm
         pool.update_weights({"lm_head.weight": torch.zeros(503, 64)})
     assert pool.weights_version == version  # nothing changed
     assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
+
+
+def test_a_size_the_model_cannot_take_is_refused_before_any_actor_starts(cluster):
+    with pytest.raises(ValueError, match="num_attention_heads = 4 does not divide among 3 ranks"):
+        WorkerPool.create("tiny", 1, tensor_parallel=3, backend="torch")
