@@ -69,18 +69,19 @@ class RankGroup:
         """The other ranks' actor names (in the pool's namespace)."""
         return self._follower_names
 
-    def _everywhere(self, method: str, *args):
-        """`method` on the other ranks (started first) and on this one; this one's result."""
+    def _everywhere(self, method: str, *args, wait_s: float | None = None):
+        """`method` on the other ranks (started first) and on this one; this one's result. The others get
+        `wait_s` more to finish (None: as long as they live)."""
         if self._follower_names and not self.followers:
             self.followers = [ray.get_actor(n, namespace=NAMESPACE) for n in self._follower_names]
         refs = [getattr(f, method).remote(*args) for f in self.followers]
         try:
             mine = getattr(super(), method)(*args)
         finally:
-            outcomes = ray.wait(refs, num_returns=len(refs), timeout=GROUP_TIMEOUT_S)[0] if refs else []
+            outcomes = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
         get(outcomes)
         if len(outcomes) != len(refs):
-            raise WorkerLost(f"a rank did not answer {method} within {GROUP_TIMEOUT_S:.0f} s")
+            raise WorkerLost(f"a rank did not finish {method} within {wait_s:.0f} s of this one")
         return mine
 
     @torch.no_grad()
@@ -91,7 +92,7 @@ class RankGroup:
             try:
                 if self._group is None:
                     self._form_group()
-                return self._everywhere("score_request", request)
+                return self._everywhere("score_request", request, wait_s=GROUP_TIMEOUT_S)  # (in step with this one)
             except (RequestError, WeightsUnavailable):
                 raise
             except Exception as e:  # a rank died or a collective broke: form the group again, run again
