@@ -44,10 +44,11 @@ class RankGroup:
         self._group = None  # formed by the leader when it first scores, and again after a failure
 
     def _form_group(self) -> None:
-        """The leader: a new store and group that every rank joins. A rank still busy in a broken collective
-        joins once that collective gives up (GROUP_TIMEOUT_S), so the store waits longer than that."""
+        """The leader: a new store and group that every rank joins within GROUP_TIMEOUT_S. A rank still busy in a
+        broken collective is free once that collective gives up (as long again), in time for the call's next
+        attempt."""
         cuda = str(self.device).startswith("cuda")
-        store = serve_store(3 * GROUP_TIMEOUT_S)
+        store = serve_store(GROUP_TIMEOUT_S)
         spec = GroupSpec(f"ranks-{uuid.uuid4().hex[:12]}", ray.util.get_node_ip_address(), store.port, self.size,
                          "nccl" if cuda else "gloo", GROUP_TIMEOUT_S)
         self._stores[spec.name] = store
