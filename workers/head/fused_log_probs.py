@@ -14,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
-from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
 Backend = Literal["auto", "torch", "triton"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,43 +112,48 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
     return torch.full((labels.numel(),), 1.0 / value, dtype=torch.float32, device=labels.device)
 
 
+def backend_forward(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions, *,
+                    ignore_index: int) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The chosen backend's forward on flattened inputs: (log_probs, entropy or None, lse)."""
+    kwargs = dict(ignore_index=ignore_index, compute_entropy=opts.compute_entropy, softcap=opts.softcap)
+    if opts.backend == "triton":
+        from .triton_log_probs_forward import triton_log_probs_forward
+
+        return triton_log_probs_forward(hidden, weight, labels, inv_temp, **kwargs)
+    return torch_log_probs_forward(hidden, weight, labels, inv_temp, chunk_size=opts.chunk_size, **kwargs)
+
+
+def backend_backward(saved: tuple[Tensor, ...], grad_log_probs: Tensor | None, grad_entropy: Tensor | None,
+                     opts: HeadOptions, *, ignore_index: int, need_hidden: bool, need_weight: bool
+                     ) -> tuple[Tensor | None, Tensor | None]:
+    """The chosen backend's backward; `saved` is (hidden, weight, labels, inv_temp, lse, entropy)."""
+    kwargs = dict(ignore_index=ignore_index, need_hidden=need_hidden, need_weight=need_weight, softcap=opts.softcap)
+    args = (*saved, grad_log_probs, grad_entropy)
+    if opts.backend == "triton":
+        from .triton_log_probs_backward import triton_log_probs_backward
+
+        return triton_log_probs_backward(*args, **kwargs)
+    return torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
+
+
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions):
         ctx.set_materialize_grads(False)
-        if opts.backend == "triton":
-            from .triton_log_probs_forward import triton_log_probs_forward
-
-            log_probs, entropy, lse = triton_log_probs_forward(
-                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index,
-                compute_entropy=opts.compute_entropy, softcap=opts.softcap,
-            )
-        else:
-            log_probs, entropy, lse = torch_log_probs_forward(
-                hidden, weight, labels, inv_temp, ignore_index=opts.ignore_index,
-                compute_entropy=opts.compute_entropy, chunk_size=opts.chunk_size, softcap=opts.softcap,
-            )
+        log_probs, entropy, lse = backend_forward(hidden, weight, labels, inv_temp, opts,
+                                                  ignore_index=opts.ignore_index)
         ctx.save_for_backward(hidden, weight, labels, inv_temp, lse, entropy)
         ctx.opts = opts
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, labels, inv_temp, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return None, None, None, None, None
-        opts: HeadOptions = ctx.opts
-        kwargs = dict(
-            ignore_index=opts.ignore_index, need_hidden=need_hidden, need_weight=need_weight, softcap=opts.softcap
-        )
-        args = (hidden, weight, labels, inv_temp, lse, entropy, grad_log_probs, grad_entropy)
-        if opts.backend == "triton":
-            from .triton_log_probs_backward import triton_log_probs_backward
-
-            d_hidden, d_weight = triton_log_probs_backward(*args, **kwargs)
-        else:
-            d_hidden, d_weight = torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
+        d_hidden, d_weight = backend_backward(ctx.saved_tensors, grad_log_probs, grad_entropy, ctx.opts,
+                                              ignore_index=ctx.opts.ignore_index, need_hidden=need_hidden,
+                                              need_weight=need_weight)
         return d_hidden, d_weight, None, None, None
 
 
@@ -189,7 +193,12 @@ def fused_log_probs(
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if opts.softcap is not None and not (math.isfinite(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
-    start, vocab = vocab_split(weight, process_group) if process_group is not None else (0, None)
+    if process_group is not None:
+        from .vocab_parallel import vocab_parallel_log_probs, vocab_split  # (it builds on this module)
+
+        start, vocab = vocab_split(weight, process_group)
+    else:
+        vocab = None
     _check_inputs(hidden, weight, labels, ignore_index, opts.backend, vocab)
     inv_temp = _inverse_temperature(temperature, labels)
     shape = labels.shape

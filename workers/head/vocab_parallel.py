@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+from .fused_log_probs import HeadOptions, backend_backward, backend_forward
 
 # label markers inside a rank's call: never a row index, never the caller's ignore_index (translated to _IGNORED)
 _IGNORED, _ELSEWHERE = -2, -1
@@ -52,17 +52,11 @@ def sum_over(x: Tensor, group) -> Tensor:
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts, group, start: int):
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions, group,
+                start: int):
         ctx.set_materialize_grads(False)
         local = _local_labels(labels, opts.ignore_index, start, weight.shape[0])
-        kwargs = dict(ignore_index=_IGNORED, compute_entropy=opts.compute_entropy, softcap=opts.softcap)
-        if opts.backend == "triton":
-            from .triton_log_probs_forward import triton_log_probs_forward
-
-            lp_r, ent_r, lse_r = triton_log_probs_forward(hidden, weight, local, inv_temp, **kwargs)
-        else:
-            lp_r, ent_r, lse_r = torch_log_probs_forward(hidden, weight, local, inv_temp, chunk_size=opts.chunk_size,
-                                                         **kwargs)
+        lp_r, ent_r, lse_r = backend_forward(hidden, weight, local, inv_temp, opts, ignore_index=_IGNORED)
         here = local >= 0
         z_label = torch.where(here, lp_r + lse_r, 0.0)  # (elsewhere, lp_r is not defined: never used)
         mu = lse_r - ent_r if ent_r is not None else torch.zeros_like(lse_r)
@@ -80,26 +74,18 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, local, inv_temp, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
             return (None,) * 7
-        opts = ctx.opts
         ## NB: every rank computes d_hidden (its part) even when only the weight needs a gradient here, since the
         # all_reduce below must be entered by all ranks alike.
-        kwargs = dict(ignore_index=_IGNORED, need_hidden=True, need_weight=need_weight, softcap=opts.softcap)
-        args = (hidden, weight, local, inv_temp, lse, entropy, grad_log_probs, grad_entropy)
-        if opts.backend == "triton":
-            from .triton_log_probs_backward import triton_log_probs_backward
-
-            d_hidden, d_weight = triton_log_probs_backward(*args, **kwargs)
-        else:
-            d_hidden, d_weight = torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
+        d_hidden, d_weight = backend_backward(ctx.saved_tensors, grad_log_probs, grad_entropy, ctx.opts,
+                                              ignore_index=_IGNORED, need_hidden=True, need_weight=need_weight)
         summed = sum_over(d_hidden.float(), ctx.group)
-        return summed.to(hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None
+        return summed.to(d_hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None
 
 
-def vocab_parallel_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts, group,
-                             start: int) -> tuple[Tensor, Tensor | None]:
+def vocab_parallel_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions,
+                             group, start: int) -> tuple[Tensor, Tensor | None]:
     """Flattened inputs as `_FusedLogProbs` takes them, this rank's weight rows starting at global row `start`."""
     return _VocabParallelLogProbs.apply(hidden, weight, labels, inv_temp, opts, group, start)
