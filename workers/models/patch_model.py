@@ -187,8 +187,8 @@ def _forward_for_ppo(
     elif isinstance(temperature, Tensor):
         temperature = temperature.expand(input_ids.shape).reshape(-1)
     log_probs, entropy = fused_log_probs(
-        hidden, weight_of(self), labels, temperature, ignore_index=_IGNORE, backend=backend, softcap=softcap,
-        compute_entropy=compute_entropy, process_group=process_group,
+        hidden, self.get_output_embeddings().weight, labels, temperature, ignore_index=_IGNORE, backend=backend,
+        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group,
     )
     if scored is None:  # back to [B, T], 0 where nothing was scored
         log_probs, entropy = (None if x is None else _spread(x, wanted, input_ids.shape) for x in (log_probs, entropy))
@@ -196,10 +196,6 @@ def _forward_for_ppo(
         log_probs=log_probs, entropy=entropy, hidden_states=body and body.hidden_states,
         attentions=body and body.attentions,
     )
-
-
-def weight_of(model: nn.Module) -> Tensor:
-    return model.get_output_embeddings().weight  # [V, H]
 
 
 def _spread(values: Tensor, wanted: Tensor | None, shape: torch.Size) -> Tensor:
@@ -233,9 +229,9 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
     real tokens, each of the B * T positions' row or -1 for padding; None when all are real)."""
     keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
     ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
-    real = ids.shape[0]
-    if real < max(min_tokens, 1):  # (a call of padding only still gets one row)
-        filler = torch.arange(min_tokens - real, device=ids.device)
+    real, least = ids.shape[0], max(min_tokens, 1)  # (a call of padding only still runs one row)
+    if real < least:
+        filler = torch.arange(least - real, device=ids.device)
         ids, positions = torch.cat([ids, torch.zeros_like(filler)]), torch.cat([positions, filler])
         begins = torch.cat([begins, filler == 0])
     cu, longest = varlen_attention.cu_seq_lens(begins)

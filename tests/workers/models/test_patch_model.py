@@ -272,3 +272,12 @@ def test_the_fused_body_kernels_give_the_model_its_numbers(family):
     real = (mask[:, :-1] * mask[:, 1:]).bool()
     torch.testing.assert_close(out.log_probs[:, :-1][real], ref_lp[real].detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(out.entropy[:, :-1][real], ref_ent[real].detach(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_a_call_of_padding_only_scores_nothing(invariant):
+    """The one-row path with no real token at all (with or without the invariant mode's filler) returns zeros."""
+    model = patch_model(tiny("qwen2"), backend="torch", packed_attention="varlen", invariant=invariant)
+    with torch.no_grad():
+        out = model(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.zeros(2, 5, dtype=torch.long))
+    assert out.log_probs.shape == (2, 5) and (out.log_probs == 0).all() and (out.entropy == 0).all()
