@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..head.vocab_parallel import sum_over
+from .varlen_attention import head_dim
 
 Split = Literal["q_heads", "kv_heads", "in_q_heads", "rows", "columns", "vocab"]
 
@@ -39,10 +40,6 @@ _SPLITS: dict[str, Split] = {
 }
 _REDUCED = ("self_attn.o_proj", "mlp.down_proj")  # modules whose outputs are summed over the group
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def check_shardable(config, size: int) -> None:
@@ -64,7 +61,7 @@ def part_of(name: str, shape: tuple[int, ...], rank: int, size: int, config) -> 
     heads = config.num_key_value_heads if how == "kv_heads" else config.num_attention_heads
     dim = 1 if how in ("in_q_heads", "columns") else 0
     whole = {"rows": config.intermediate_size, "columns": config.intermediate_size, "vocab": config.vocab_size}
-    expected = whole.get(how, heads * _head_dim(config))
+    expected = whole.get(how, heads * head_dim(config))
     if len(shape) <= dim or shape[dim] != expected:
         raise ValueError(f"{name} has shape {list(shape)}, not {expected} entries along dim {dim} as the whole "
                          "model's (already cut, or another model's tensor)")

@@ -18,21 +18,21 @@ from transformers import AttentionInterface
 NAME = "ppo_varlen"
 
 
-def _kernel_exists() -> bool:
-    return torch.backends.cuda.is_flash_attention_available()
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def model_allows(model: nn.Module) -> str | None:
     """Why this model's attention cannot run here (an attention-logit softcap, a head size the kernel rejects),
     or None."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = head_dim(config)
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "its attention caps logits (attn_logit_softcapping)"
     if getattr(config, "use_bidirectional_attention", False):
         return "its attention is bidirectional"
-    if head_dim % 8 or head_dim > 256:
-        return f"its head size {head_dim} is not a multiple of 8 up to 256"
+    if size % 8 or size > 256:
+        return f"its head size {size} is not a multiple of 8 up to 256"
     return None
 
 
@@ -41,7 +41,7 @@ def supported(model: nn.Module, device: torch.device) -> bool:
     return (
         device.type == "cuda"
         and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
-        and _kernel_exists()
+        and torch.backends.cuda.is_flash_attention_available()
         and model_allows(model) is None
     )
 
