@@ -49,33 +49,28 @@ def load_model(
     """
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())
+    built = None  # a config to build from: a config's dict, or a directory's config when only parts are read
     if config is not None:
         config = dict(config)
         built = AutoConfig.for_model(config.pop("model_type"), **config)
+        dtype = dtype or config.get("dtype")
+    elif name_or_path != "tiny" and shard is not None:  # this rank's parts are built and read, never the whole
+        built = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        dtype = dtype or getattr(built, "dtype", None)
+    if built is not None:
         if attn_implementation is not None:
             built._attn_implementation = attn_implementation
-        dtype = dtype or config.get("dtype") or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
         if shard is not None:
-            model = build_sharded(built, *shard, device=device or "cpu", dtype=dtype)
-            if process_group is not None:
-                connect(model, process_group)
-            return patch_model(model, backend=backend, process_group=process_group)
-        with torch.device(device or "cpu"):
-            model = AutoModelForCausalLM.from_config(built, dtype=dtype)
+            model = build_sharded(built, *shard, device=device or "cpu", dtype=dtype)  # already cut
+            shard = None
+            if config is None:
+                read_checkpoint(model, name_or_path).commit(model)
+        else:
+            with torch.device(device or "cpu"):
+                model = AutoModelForCausalLM.from_config(built, dtype=dtype)
     elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
-    elif shard is not None:  # only this rank's parts are built and read (weights/checkpoint.py), never the whole
-        built = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-        if attn_implementation is not None:
-            built._attn_implementation = attn_implementation
-        dtype = dtype or getattr(built, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        model = build_sharded(built, *shard, device=device or "cpu", dtype=dtype)
-        read_checkpoint(model, name_or_path).commit(model)
-        if process_group is not None:
-            connect(model, process_group)
-        return patch_model(model, backend=backend, process_group=process_group)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True
