@@ -40,6 +40,11 @@ def _actor_name(pool: str, index: int) -> str:
     return f"{pool}:worker:{index}"
 
 
+def _rank_name(pool: str, index: int, rank: int) -> str:
+    """A tensor-parallel worker's other rank (rank_group.py)."""
+    return f"{_actor_name(pool, index)}:rank:{rank}"
+
+
 class _PooledWorker(RankGroup, LogProbWorker):
     """The actor class: a LogProbWorker that also keeps its pool's placement group (so a pool attached by name,
     from a job whose namespace cannot see the group's name, can still free it), and that, when Ray restarts it,
@@ -218,8 +223,10 @@ class WorkerPool:
         def start(i: int, rank: int, **extra):
             # a tensor-parallel worker's other ranks are named (in NAMESPACE) even in an unnamed pool: its leader
             # finds them by name (rank_group.py)
-            actor_name = f"{_actor_name(ranks_prefix, i)}:rank:{rank}" if rank else _actor_name(name, i) if name \
-                else None
+            if rank:
+                actor_name = _rank_name(ranks_prefix, i, rank)
+            else:
+                actor_name = _actor_name(name, i) if name else None
             names = dict(name=actor_name, **(detached or dict(namespace=NAMESPACE))) if actor_name else {}
             return actor.options(
                 num_cpus=1,
@@ -236,7 +243,7 @@ class WorkerPool:
         workers, ranks = [], []
         for i in range(num_workers):
             ranks += [start(i, rank) for rank in range(1, size)]
-            followers = [f"{_actor_name(ranks_prefix, i)}:rank:{rank}" for rank in range(1, size)]
+            followers = [_rank_name(ranks_prefix, i, rank) for rank in range(1, size)]
             workers.append(start(i, 0, followers=followers, keep_dir=keep_dir))
         infos = ray.get([w.info.remote() for w in workers])
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
