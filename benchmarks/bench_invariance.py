@@ -28,10 +28,11 @@ import time
 
 import numpy as np
 import torch
+from bench_model import fast  # the same directory
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool
 from ppo_logprobs.workers.models.fuse_body import unfuse_body
-from ppo_logprobs.workers.models.patch_model import allow_split_k, patch_model
+from ppo_logprobs.workers.models.patch_model import patch_model
 
 
 def random_lengths(n: int, lo: int, hi: int, seed: int) -> np.ndarray:
@@ -262,9 +263,10 @@ def main() -> None:
         modes = {}
         for label, invariant, fused in (("invariant", True, True), ("fast", False, True),
                                         ("invariant, HF body forwards", True, False)):
-            patch_model(worker.model, backend=backend, invariant=invariant)
-            if not invariant:  # patch_model leaves the process-wide setting as it is
-                allow_split_k(True)
+            if invariant:
+                patch_model(worker.model, backend=backend)
+            else:
+                fast(worker.model, backend)
             if not fused:
                 unfuse_body(worker.model)
             modes[label] = study(worker, seqs, budgets, label)
