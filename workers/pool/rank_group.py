@@ -29,6 +29,11 @@ GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call, the group formed again between them
 
 
+def actors(names: list[str]) -> list:
+    """Handles to the named ranks (in the pools' namespace), looked up now."""
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+
+
 class RankGroup:
     """Mixed into the pool's actor class before LogProbWorker. `rank` and `size` give this actor's place;
     `follower_names` (the leader only) the other ranks' actor names, in rank order."""
@@ -53,7 +58,7 @@ class RankGroup:
                          "nccl" if cuda else "gloo", GROUP_TIMEOUT_S)
         self._stores[spec.name] = store
         self._group = None
-        self.followers = [ray.get_actor(n, namespace=NAMESPACE) for n in self._follower_names]
+        self.followers = actors(self._follower_names)
         joined = [f.join_ranks.remote(spec, r) for r, f in enumerate(self.followers, start=1)]
         self.join_ranks(spec, 0)
         get(joined)
@@ -74,7 +79,7 @@ class RankGroup:
         """`method` on the other ranks (started first) and on this one; this one's result. The others get
         `wait_s` more to finish (None: as long as they live)."""
         if self._follower_names and not self.followers:
-            self.followers = [ray.get_actor(n, namespace=NAMESPACE) for n in self._follower_names]
+            self.followers = actors(self._follower_names)
         refs = [getattr(f, method).remote(*args) for f in self.followers]
         try:
             mine = getattr(super(), method)(*args)

@@ -28,7 +28,7 @@ from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, WeightOwner
-from .rank_group import RankGroup
+from .rank_group import RankGroup, actors
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -341,7 +341,7 @@ class WorkerPool:
         ranks = list(self.workers)
         for w in self.workers:
             try:
-                ranks += [ray.get_actor(n, namespace=NAMESPACE) for n in ray.get(w.followers_of.remote(), timeout=30)]
+                ranks += actors(ray.get(w.followers_of.remote(), timeout=30))
             except Exception:  # a dead leader: its ranks go with the placement group's removal below
                 pass
         for w in ranks:
