@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 NAMESPACE = "ppo_logprobs"  # the Ray namespace of named pools, and of the owners' saved state
 
 
+def actors(names: list[str]) -> list:
+    """Handles to actors named in NAMESPACE, looked up now (ValueError for one that is gone)."""
+    return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+
+
 def _update_error(error: BaseException) -> BaseException:
     error = cause(error)
     if isinstance(error, RayActorError):
@@ -46,7 +51,7 @@ class WeightOwner:
         self.workers: list = []
         if self.names:  # this owner was restarted: a named pool's workers are found by name
             try:
-                self.workers = [ray.get_actor(n, namespace=NAMESPACE) for n in self.names]
+                self.workers = actors(self.names)
             except ValueError:
                 log.error("the pool's workers %s are gone", self.names)
         self.lock = asyncio.Lock()

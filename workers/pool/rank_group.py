@@ -21,17 +21,12 @@ from ..models import patch_model
 from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
 from ..weights.transfer import GroupSpec, open_group, serve_store
-from .owner import NAMESPACE
+from .owner import actors
 
 log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call, the group formed again between them
-
-
-def actors(names: list[str]) -> list:
-    """Handles to the named ranks (in the pools' namespace), looked up now."""
-    return [ray.get_actor(n, namespace=NAMESPACE) for n in names]
 
 
 class RankGroup:

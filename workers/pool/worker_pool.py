@@ -27,8 +27,8 @@ from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
 from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from .log_prob_worker import LogProbWorker
-from .owner import NAMESPACE, WeightOwner
-from .rank_group import RankGroup, actors
+from .owner import NAMESPACE, WeightOwner, actors
+from .rank_group import RankGroup
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
