@@ -35,9 +35,10 @@ def same_on_every_rank(x):
     return all(torch.equal(p, parts[0]) for p in parts)
 
 
-def check(rank, backend, dtype, softcap, ignore_index):
+def check(rank, backend, dtype, softcap, ignore_index, device="cpu"):
     n, h, v = 37, 24, 503
-    hidden, weight, labels, temps = inputs(n, h, v, dtype, seed=5, scale=20.0 if softcap else 1.0)
+    made = inputs(n, h, v, dtype, seed=5, scale=20.0 if softcap else 1.0)
+    hidden, weight, labels, temps = (t.to(device) for t in made)
     labels[::5] = ignore_index
     labels[1] = 250  # the first row of rank 1 (503 = 252 + 251)
     labels[2] = 251  # the last row of rank 0
@@ -59,7 +60,7 @@ def check(rank, backend, dtype, softcap, ignore_index):
     assert (ent.double() - ref_ent).abs().max() <= OUT_TOL * scale
     assert (lp[::5] == 0).all() and (ent[::5] == 0).all()
 
-    g = torch.randn(2, n, generator=torch.Generator().manual_seed(7))
+    g = torch.randn(2, n, generator=torch.Generator().manual_seed(7)).to(device)
     (lp * g[0] + ent * g[1]).sum().backward()
     (ref_lp * g[0] + ref_ent * g[1]).sum().backward()
     err = lambda a, b: float((a.double() - b).norm() / b.norm())  # noqa: E731
@@ -68,7 +69,7 @@ def check(rank, backend, dtype, softcap, ignore_index):
     assert (h1.grad[::5] == 0).all()
 
     # batch invariant: a token's bits do not depend on the other tokens of the call
-    idx = torch.tensor([3, 1, 30])
+    idx = torch.tensor([3, 1, 30], device=device)
     sub_lp, sub_ent = fused_log_probs(hidden[idx], mine.detach(), labels[idx], temps[idx],
                                       process_group=dist.group.WORLD, **kw)
     assert torch.equal(sub_lp, lp.detach()[idx]) and torch.equal(sub_ent, ent.detach()[idx])
@@ -84,6 +85,8 @@ def check(rank, backend, dtype, softcap, ignore_index):
 
 
 def run(rank, port, cases):
+    if any("cuda" in case for case in cases):
+        torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for case in cases:
@@ -96,4 +99,13 @@ def run(rank, port, cases):
 def test_two_ranks_match_one_device_and_the_oracle(backend):
     cases = [(backend, dtype, softcap, ignore_index) for dtype in (torch.float32, torch.bfloat16)
              for softcap, ignore_index in ((None, -100), (30.0, 7))]  # 7: an ignore_index that is a valid row
+    mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_ranks_on_cuda_match_one_device_and_the_oracle():
+    """The Triton kernels compiled for the GPU; both ranks on one GPU (gloo carries CUDA tensors)."""
+    cases = [("triton", dtype, softcap, ignore_index, "cuda") for dtype in (torch.float32, torch.bfloat16)
+             for softcap, ignore_index in ((None, -100), (30.0, 7))]
     mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
