@@ -148,7 +148,7 @@ def check_cuda(rank):
     part = load_model("tiny", dtype=torch.bfloat16, device="cuda", process_group=dist.group.WORLD)
     assert part.model.layers[0].self_attn.q_proj.weight.shape[0] == 32  # 2 of the 4 heads of 16
     two, again = scores(part, [0, 1, 2, 3]), scores(part, [3, 2, 1, 0])
-    for i, seq in enumerate(sequences):
+    for i in range(len(sequences)):
         for k in (0, 1):  # log-probs, entropies: TP = 2 is off the float64 answer by what bf16 costs TP = 1
             err_one = (one[i][k] - exact[i][k]).abs()
             err_two = (two[i][k] - exact[i][k]).abs()
