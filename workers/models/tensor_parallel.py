@@ -103,7 +103,8 @@ def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
         setattr(owner, attr, nn.Parameter(part.clone(), requires_grad=param.requires_grad))
     if tied:  # the head now has rows of its own; keep the config honest for save_pretrained
         config.tie_word_embeddings = False
-    model.tp_shard = (rank, size)  # read by the loaders (weights/checkpoint.py)
+    model.tp_shard = (rank, size)  # read by the loaders (weights/staging.py rank_parts)
+    model.tp_tied = tied  # the head's part is then cut from a checkpoint's or stream's embedding
     return model
 
 

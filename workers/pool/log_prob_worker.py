@@ -176,6 +176,10 @@ class LogProbWorker(WeightsHolder):
 
     health = info
 
+    def devices(self) -> list[str]:
+        """Where this worker computes: its GPU's UUID, or its device off CUDA (tensor parallelism: each rank's)."""
+        return [gpu_uuid(self.device) or str(self.device)]
+
     def config(self) -> dict:
         return self.model.config.to_dict()
 

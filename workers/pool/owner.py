@@ -111,8 +111,10 @@ class WeightOwner:
                                     {"path": path})
 
     async def open_group(self, spec) -> None:
-        """Every worker joins a sender's group (ranks 1..n, in worker order)."""
-        await asyncio.gather(*(w.join_group.remote(spec, i + 1) for i, w in enumerate(self._pool())))
+        """Every worker joins a sender's group (ranks 1..n, in worker order; a tensor-parallel worker's ranks
+        one after another, each receiving the whole tensors and keeping its parts)."""
+        ranks = (spec.world_size - 1) // len(self._pool())
+        await asyncio.gather(*(w.join_group.remote(spec, 1 + i * ranks) for i, w in enumerate(self.workers)))
 
     async def close_group(self, name: str) -> None:
         await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
@@ -153,9 +155,8 @@ class WeightOwner:
                                     {"stream": True})
 
     async def devices(self) -> list[str]:
-        """Each worker's GPU (its UUID), or its device when it has none."""
-        infos = await asyncio.gather(*(w.info.remote() for w in self._pool()))
-        return [i["gpu"] or i["device"] for i in infos]
+        """Each worker's GPU (its UUID), or its device when it has none; every rank's for tensor-parallel workers."""
+        return [d for ds in await asyncio.gather(*(w.devices.remote() for w in self._pool())) for d in ds]
 
     async def finish_stream(self, version: int) -> int:
         return await self.streams.pop(version)
@@ -203,13 +204,14 @@ class WeightOwner:
             await worker.stage_checkpoint.remote(self.source["keep"], version)
 
     async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:
+        """The peer sends all its parameters to the worker in a group of two (one per rank, rank r to rank r, for
+        tensor-parallel workers: both hold the same parts)."""
         name = f"restore-{uuid.uuid4().hex[:12]}"
         spec = await peer.open_sender.remote(name, 2, "nccl" if device.startswith("cuda") else "gloo", 300.0)
-        layout = await worker.full_layout.remote()
         joined = worker.join_group.remote(spec, 1)
-        sent = peer.send_weights.remote(spec, layout)
+        sent = peer.send_weights.remote(spec)
         try:
             await joined
-            await asyncio.gather(worker.stage_stream.remote(name, layout, version, BUCKET_BYTES), sent)
+            await asyncio.gather(worker.stage_stream.remote(name, None, version, BUCKET_BYTES), sent)
         finally:
             worker.leave_group.remote(name)

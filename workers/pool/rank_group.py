@@ -4,13 +4,15 @@ also sends to the other ranks, then runs its own part; the collectives inside th
 
 The ranks' process group (NCCL on CUDA, gloo on the CPU; its store served by the leader) is formed by the leader
 when it first scores, and formed again when a call finds it broken: a rank that died is restarted by Ray, reads its part
-of the current checkpoint, and joins the new group; the call is then run again. Weight streams (from a trainer or a
-peer) are not taken by tensor-parallel workers yet: they update from checkpoints.
+of the current checkpoint, and joins the new group; the call is then run again. A rank restarted while the weights
+came from a stream has none: the worker then reports none, and its pool's owner restores every rank (from a peer
+worker, rank r's part to rank r, or from the current checkpoint).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 
 import ray
@@ -42,6 +44,8 @@ class RankGroup:
         self.followers: list = []
         self._head_backend = backend
         self._group = None  # formed by the leader when it first scores, and again after a failure
+        self._behind = False  # the leader: a rank lacks the current weights (restarted since)
+        self._members: list[int] = []  # the leader: its group's other ranks, by process id
 
     def _form_group(self) -> None:
         """The leader: a new store and group that every rank joins within GROUP_TIMEOUT_S. A rank still busy in a
@@ -56,41 +60,71 @@ class RankGroup:
         self.followers = actors(self._follower_names)
         joined = [f.join_ranks.remote(spec, r) for r, f in enumerate(self.followers, start=1)]
         self.join_ranks(spec, 0)
-        get(joined)
+        self._members = get(joined)
 
-    def join_ranks(self, spec, rank: int) -> None:
+    def _check_ranks(self) -> None:
+        """The leader, before a call: a rank restarted since the group was formed gets a new group (rather than a
+        collective waiting GROUP_TIMEOUT_S on its old process), and a rank without this one's weights makes the
+        worker report none (its owner then restores every rank)."""
+        if not self.followers:
+            self.followers = actors(self._follower_names)
+        infos = get([f.info.remote() for f in self.followers], timeout=GROUP_TIMEOUT_S)
+        if any(i["weights_version"] != self.weights_version for i in infos):
+            self._behind, self._group = True, None
+            raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
+        if [i["pid"] for i in infos] != self._members:
+            self._group = None
+
+    def join_ranks(self, spec, rank: int) -> int:
         store = self._stores.pop(spec.name, None) if rank == 0 else None
         self._group = open_group(spec, rank, store)
         connect(self.model, self._group)
         patch_model(self.model, backend=self._head_backend, process_group=self._group)
         if str(self.device).startswith("cuda"):
             self._warm_up()  # every rank at once: the warm-up's collectives match
+        return os.getpid()
 
     def followers_of(self) -> list[str]:
         """The other ranks' actor names (in the pool's namespace)."""
         return self._follower_names
 
-    def _everywhere(self, method: str, *args, wait_s: float | None = None):
-        """`method` on the other ranks (started first) and on this one; this one's result. The others get
-        `wait_s` more to finish (None: as long as they live)."""
+    def _on_ranks(self, method: str, args_of, wait_s: float | None = None) -> list:
+        """`method` on every rank, rank r with the arguments args_of(r): the others' started first, then this
+        one's; the results in rank order. The others get `wait_s` more to finish (None: as long as they live)."""
         if self._follower_names and not self.followers:
             self.followers = actors(self._follower_names)
-        refs = [getattr(f, method).remote(*args) for f in self.followers]
+        refs = [getattr(f, method).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
         try:
-            mine = getattr(super(), method)(*args)
+            mine = getattr(super(), method)(*args_of(0))
         finally:
-            outcomes = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
-        get(outcomes)
-        if len(outcomes) != len(refs):
+            done = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
+        get(done)
+        if len(done) != len(refs):
             raise WorkerLost(f"a rank did not finish {method} within {wait_s:.0f} s of this one")
-        return mine
+        return [mine, *get(refs)]
+
+    def _everywhere(self, method: str, *args, wait_s: float | None = None):
+        """`method` with the same arguments on every rank; this one's result."""
+        return self._on_ranks(method, lambda r: args, wait_s)[0]
+
+    def info(self) -> dict:
+        info = super().info()
+        if self._behind:  # a rank was restarted without weights: the worker as a whole has none
+            info["weights_version"] = None
+        return dict(info, ranks=self.size)
+
+    def devices(self) -> list[str]:
+        return [gpu for mine in self._on_ranks("devices", lambda r: ()) for gpu in mine]
 
     @torch.no_grad()
     def score_request(self, request: ScoreRequest) -> ScoreResult:
         if not self._follower_names:
             return super().score_request(request)
+        if self._behind or self.weights_version is None:
+            raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
         for attempt in range(1, _ATTEMPTS + 1):
             try:
+                self._check_ranks()
                 if self._group is None:
                     self._form_group()
                 return self._everywhere("score_request", request, wait_s=GROUP_TIMEOUT_S)  # (in step with this one)
@@ -103,28 +137,45 @@ class RankGroup:
                 self._group = None
         raise AssertionError("unreachable")
 
+    # Weight updates reach every rank through this one, so that each rank sees the calls in the same order.
+    # A stream sends whole tensors; each rank keeps its parts (WeightsHolder.stage_stream).
+
     def stage_checkpoint(self, path: str, version: int) -> None:
         self._everywhere("stage_checkpoint", path, version)
 
     def commit(self, version: int) -> int:
-        return self._everywhere("commit", version)
+        self._everywhere("commit", version)
+        self._behind = False
+        return version
 
     def abort(self, version: int) -> None:
         self._everywhere("abort", version)
 
-    def _no_streams(self) -> None:
-        if self.size > 1:
-            raise UpdateFailed("tensor-parallel workers take weight updates from checkpoints only (a path), not "
-                               "streamed tensors yet")
+    def layout_for(self, *args):
+        return self._everywhere("layout_for", *args)  # (each rank checks that it is in the sender's group)
 
-    def layout_for(self, *args, **kwargs):
-        self._no_streams()
-        return super().layout_for(*args, **kwargs)
+    def join_group(self, spec, rank: int) -> None:
+        """A trainer's group (one spec): rank r of this worker joins it as `rank` + r. A restore from a peer (a
+        list of specs, one per rank, from its open_sender): rank r joins spec[r] as `rank`."""
+        if isinstance(spec, list):
+            self._on_ranks("join_group", lambda r: (spec[r], rank))
+        else:
+            self._on_ranks("join_group", lambda r: (spec, rank + r))
 
-    def full_layout(self):
-        self._no_streams()
-        return super().full_layout()
+    def leave_group(self, name: str) -> None:
+        self._everywhere("leave_group", name)
 
-    def stage_tensors(self, tensors, version: int) -> None:
-        self._no_streams()
-        super().stage_tensors(tensors, version)
+    def stage_stream(self, *args) -> None:
+        self._everywhere("stage_stream", *args)
+
+    def open_sender(self, *args) -> list:
+        """A group of two per rank, in which it sends its part to the same rank of a restarted worker."""
+        return self._on_ranks("open_sender", lambda r: args)
+
+    def send_weights(self, specs: list, layout=None) -> None:
+        self._on_ranks("send_weights", lambda r: (specs[r], layout))
+
+    def stage_shared(self, *args) -> None:
+        if self.size > 1:  # (its ranks hold one GPU each; a sender on one of them is refused before this)
+            raise UpdateFailed("tensor-parallel workers take weights over NCCL or gloo, not CUDA IPC")
+        super().stage_shared(*args)

@@ -24,10 +24,10 @@ from .log_prob_worker import gpu_uuid
 
 
 class WeightSender:
-    def __init__(self, owner, num_workers: int, device: torch.device, workers_on_cuda: bool, *,
+    def __init__(self, owner, num_receivers: int, device: torch.device, workers_on_cuda: bool, *,
                  bucket_bytes: int | None = None, timeout_s: float = 300.0) -> None:
         self.owner = owner
-        self.num_workers = num_workers
+        self.num_receivers = num_receivers  # the workers, or their ranks (tensor parallelism)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" and workers_on_cuda else "gloo"
         if self.backend == "gloo":
@@ -51,7 +51,7 @@ class WeightSender:
     def _open(self) -> None:
         store = serve_store(self.timeout_s)
         address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.spec = GroupSpec(f"weights-{uuid.uuid4().hex[:12]}", address, store.port, self.num_workers + 1,
+        self.spec = GroupSpec(f"weights-{uuid.uuid4().hex[:12]}", address, store.port, self.num_receivers + 1,
                               self.backend, self.timeout_s)  # type: ignore[arg-type]
         joined = self.owner.open_group.remote(self.spec)
         if self.device.type == "cuda":

@@ -162,6 +162,7 @@ class WorkerPool:
         self.vocab_size = info["vocab_size"]
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
         self.device = info["device"]
+        self.ranks = info.get("ranks", 1)  # per worker (tensor parallelism)
         self._placement = placement
         self._ranks: list = []
 
@@ -322,7 +323,7 @@ class WorkerPool:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        return WeightSender(self.owner, len(self.workers), device, self.device.startswith("cuda"),
+        return WeightSender(self.owner, len(self.workers) * self.ranks, device, self.device.startswith("cuda"),
                             bucket_bytes=bucket_bytes, timeout_s=timeout_s)
 
     def health(self, timeout: float = 30.0) -> list[dict]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
-from .staging import Layout, StagedWeights, match_model
+from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -103,34 +103,17 @@ def read_index(path: str) -> dict[str, TensorSpec]:
 
 
 def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout, dict]:
-    """The checkpoint's tensors, their staging layout, and, for a tensor-parallel model (`tp_shard`, see
-    models/tensor_parallel.py), where its part of each tensor lies; every refusal raised before any data is read."""
+    """The checkpoint's tensors, their staging layout, and what each staged tensor is read from (see rank_parts:
+    a tensor-parallel rank reads its part of each); every refusal raised before any data is read."""
     index = read_index(path)
-    parts: dict[str, tuple[int, int, int] | None] = {}
-    shard = getattr(model, "tp_shard", None)
-    if shard is not None:
-        from ..models.tensor_parallel import part_of
-
-        embed = model.get_input_embeddings().weight
-        embed_name = next(n for n, p in model.named_parameters() if p is embed)
-        if "lm_head.weight" not in index and embed_name in index:  # a tied checkpoint: the head reads the embedding
-            index["lm_head.weight"] = index[embed_name]
-        for name, spec in index.items():
-            try:
-                parts[name] = part_of(name, spec.shape, *shard, model.config)
-            except ValueError as e:
-                raise IncompatibleWeights(str(e)) from None
-    shapes = {n: _part_shape(s.shape, parts.get(n)) for n, s in index.items()}
+    parts = rank_parts(model, {n: s.shape for n, s in index.items()})
+    shapes = {n: part_shape(index[source].shape, part) for n, (source, part) in parts.items()}
     layout = match_model(model, shapes, full=True, what="the checkpoint")
     for entry in layout.entries:
-        dtype = index[entry.name].dtype
+        dtype = index[parts[entry.name][0]].dtype
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
     return index, layout, parts
-
-
-def _part_shape(shape: tuple[int, ...], part: tuple[int, int, int] | None) -> tuple[int, ...]:
-    return shape if part is None else shape[: part[0]] + (part[2],) + shape[part[0] + 1 :]
 
 
 _slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads
@@ -160,13 +143,14 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
     index, layout, parts = check_checkpoint(model, path)
     device = next(model.parameters()).device
     staged = StagedWeights(layout, device)
-    fds = {file: os.open(file, os.O_RDONLY) for file in {index[e.name].file for e in layout.entries}}
+    fds = {file: os.open(file, os.O_RDONLY) for file in {index[parts[e.name][0]].file for e in layout.entries}}
     try:
         # (fd, file offset, bytes, source dtype, destination, columns): the destination is a flat slice of the
         # staged tensor, or rows of it when `columns` (the source's row length, the part's first column) is given
         jobs = []
         for entry in layout.entries:
-            spec, part = index[entry.name], parts.get(entry.name)
+            source, part = parts[entry.name]
+            spec = index[source]
             size = spec.dtype.itemsize
             if part is not None and part[0] == 1:  # columns of a matrix: whole rows read, the part's columns kept
                 cols = spec.shape[1]

@@ -11,8 +11,16 @@ from torch import nn
 from ..errors import UpdateFailed
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
-from .staging import Layout, StagedWeights, match_model
-from .transfer import GroupSpec, broadcast_tensors, open_group, receive_shared, receive_tensors, serve_store
+from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
+from .transfer import (
+    GroupSpec,
+    broadcast_tensors,
+    open_group,
+    receive_parts,
+    receive_shared,
+    receive_tensors,
+    serve_store,
+)
 
 
 class WeightsHolder:
@@ -36,10 +44,22 @@ class WeightsHolder:
 
     def layout_for(self, shapes: dict[str, tuple[int, ...]], full: bool = False, group: str | None = None) -> Layout:
         """Checks an update's names and shapes against the model (IncompatibleWeights) and, for a stream, that
-        this worker is in the sender's group; returns the staging layout."""
+        this worker is in the sender's group; returns the layout the sender sends (whole tensors, this model's
+        dtypes)."""
         if group is not None and group not in self._groups:
             raise UpdateFailed(f"a worker is not in the sender's group {group!r} (restarted since it was opened)")
-        return match_model(self.model, shapes, full=full, what="the update")
+        return self._plan(shapes, full)[0]
+
+    def _plan(self, shapes: dict[str, tuple[int, ...]], full: bool) -> tuple[Layout, Layout, dict]:
+        """An update's sent layout, its staging layout, and what each staged tensor is cut from (rank_parts): the
+        two layouts are one unless this model is a tensor-parallel rank's part."""
+        parts = rank_parts(self.model, shapes)
+        mine = {name: part_shape(shapes[source], part) for name, (source, part) in parts.items()}
+        staging = match_model(self.model, mine, full=full, what="the update")
+        if getattr(self.model, "tp_shard", None) is None:
+            return staging, staging, parts
+        dtypes = {name: p.dtype for name, p in self.model.named_parameters(remove_duplicate=False)}
+        return Layout.of((name, tuple(shape), dtypes[name]) for name, shape in shapes.items()), staging, parts
 
     def full_layout(self) -> Layout:
         """The layout of all the model's parameters (a restore from a peer)."""
@@ -51,10 +71,11 @@ class WeightsHolder:
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """An in-process update (a plain worker, tests): the given tensors, checked, copied to staging."""
-        layout = match_model(self.model, {n: tuple(t.shape) for n, t in tensors.items()}, full=False, what="the update")
+        _, layout, parts = self._plan({n: tuple(t.shape) for n, t in tensors.items()}, full=False)
         staged = StagedWeights(layout, self._device)
         for entry in layout.entries:
-            staged.tensor(entry).copy_(tensors[entry.name])
+            source, part = parts[entry.name]
+            staged.tensor(entry).copy_(tensors[source] if part is None else tensors[source].narrow(*part))
         self._staged = (version, staged, None)
 
     def join_group(self, spec: GroupSpec, rank: int) -> None:
@@ -64,11 +85,22 @@ class WeightsHolder:
         self._groups.pop(name, None)
         self._stores.pop(name, None)
 
-    def stage_stream(self, group: str, layout: Layout, version: int, bucket_bytes: int) -> None:
+    def stage_stream(self, group: str, layout: Layout | None, version: int, bucket_bytes: int) -> None:
+        """Receives `layout` (from layout_for; a tensor-parallel rank keeps its parts of the whole tensors) or, with
+        None, all of this worker's parameters as they are (from a peer that holds the same part: a restore)."""
         spec, pg = self._groups[group]
-        staged = StagedWeights(layout, self._device if spec.backend == "nccl" else torch.device("cpu"))
+        device = self._device if spec.backend == "nccl" else torch.device("cpu")
+        parts = None
+        if layout is None:
+            layout = self.full_layout()
+        elif getattr(self.model, "tp_shard", None) is not None:
+            _, mine, parts = self._plan({e.name: e.shape for e in layout.entries}, full=False)
+        staged = StagedWeights(layout if parts is None else mine, device)
         try:
-            receive_tensors(pg, staged, bucket_bytes)
+            if parts is None:
+                receive_tensors(pg, staged, bucket_bytes)
+            else:
+                receive_parts(pg, layout, staged, parts, device, bucket_bytes)
         except Exception as e:
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
@@ -120,7 +152,9 @@ class WeightsHolder:
         address = ray.util.get_node_ip_address()
         return GroupSpec(name, address, store.port, world_size, backend, timeout_s)  # type: ignore[arg-type]
 
-    def send_weights(self, spec: GroupSpec, layout: Layout) -> None:
+    def send_weights(self, spec: GroupSpec, layout: Layout | None = None) -> None:
+        """Broadcasts `layout` of this worker's parameters (None: all of them) to the group of `spec`."""
+        layout = layout or self.full_layout()
         try:
             pg = open_group(spec, 0, self._stores[spec.name])
             params = dict(self.model.named_parameters(remove_duplicate=False))

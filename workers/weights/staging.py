@@ -80,6 +80,38 @@ def match_model(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, full: b
     return Layout.of(items)
 
 
+Part = tuple[int, int, int]  # (dim, start, length): a tensor-parallel rank's slice of a whole tensor
+
+
+def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Part | None]]:
+    """What an update of whole tensors (`shapes`, by name) gives each parameter it reaches: (the whole tensor's
+    name, where this rank's part of it lies, None for all of it). A plain model takes each tensor whole. A
+    tensor-parallel rank (`model.tp_shard`, models/tensor_parallel.py) takes its part; a head that was tied
+    before the cut takes its part of the embedding when the update has no head of its own. IncompatibleWeights
+    names a tensor that is not the whole model's."""
+    shard = getattr(model, "tp_shard", None)
+    if shard is None:
+        return {name: (name, None) for name in shapes}
+    from ..models.tensor_parallel import part_of  # (the models layer says how each tensor splits)
+
+    sources = {name: name for name in shapes}
+    if getattr(model, "tp_tied", False):
+        params = dict(model.named_parameters())
+        embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
+        head = next(n for n, p in params.items() if p is model.get_output_embeddings().weight)
+        if head not in shapes and embed in shapes:
+            sources[head] = embed
+    try:
+        return {name: (source, part_of(name, tuple(shapes[source]), *shard, model.config))
+                for name, source in sources.items()}
+    except ValueError as e:
+        raise IncompatibleWeights(str(e)) from None
+
+
+def part_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:
+    return tuple(shape) if part is None else tuple(shape[: part[0]]) + (part[2],) + tuple(shape[part[0] + 1 :])
+
+
 class StagedWeights:
     """A staging buffer for one update: on the model's device when it fits beside `HEADROOM_BYTES`, else in host
     memory (pinned when the model is on CUDA)."""

@@ -149,6 +149,30 @@ def receive_tensors(group: dist.ProcessGroup, staged: StagedWeights, bucket_byte
         torch.cuda.synchronize(staged.device)
 
 
+@torch.no_grad()
+def receive_parts(group: dist.ProcessGroup, layout: Layout, staged: StagedWeights, parts: dict,
+                  device: torch.device, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """A tensor-parallel rank's side: each bucket of whole tensors (`layout`) into a scratch buffer, then this
+    rank's part of each into its staging buffer (`parts`: staged name -> (whole tensor's name, part or None), see
+    staging.rank_parts). The scratch holds one bucket (or the largest tensor), on the group's `device`."""
+    entries = {e.name: e for e in staged.layout.entries}
+    cuts: dict[str, list] = {}
+    for name, (source, part) in parts.items():
+        if name in entries:
+            cuts.setdefault(source, []).append((entries[name], part))
+    plan = buckets(layout, bucket_bytes)
+    scratch = torch.empty(max(hi - lo for lo, hi in map(_span, plan)), dtype=torch.uint8, device=device)
+    for bucket in plan:
+        lo, hi = _span(bucket)
+        group.broadcast([scratch[: hi - lo]], _root0()).wait()
+        for entry in bucket:
+            whole = scratch[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
+            for target, part in cuts.get(entry.name, ()):
+                staged.tensor(target).copy_(whole if part is None else whole.narrow(*part))
+    if device.type == "cuda" or staged.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.device,
                   bucket_bytes: int = BUCKET_BYTES) -> tuple[list[tuple[int, int, tuple]], list[Tensor]]:
     """The sender's side when its workers share its GPU (no NCCL between two processes of one GPU): each bucket as

@@ -1,5 +1,6 @@
-"""A pool whose worker has 2 ranks (tensor parallelism over gloo, CPU actors): the same results as the whole model,
-the loss of either rank's actor survived, checkpoint updates on every rank, streams refused."""
+"""Pools whose workers have 2 ranks (tensor parallelism over gloo, CPU actors): the same results as the whole model,
+the loss of either rank's actor survived, checkpoint and streamed updates on every rank, a restarted rank given
+streamed weights back by a peer worker."""
 
 import numpy as np
 import pytest
@@ -7,14 +8,15 @@ import ray
 import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
-from ppo_logprobs.workers.errors import UpdateFailed
+from ppo_logprobs.workers.errors import IncompatibleWeights
 
 from ...helpers import alone, perturbed, random_sequences, save
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    # 6 CPU slots on this 2-core machine: the pools hold 2 + 4 rank actors, each reserving one
+    ray.init(num_cpus=6, num_gpus=0, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -54,15 +56,41 @@ def test_the_loss_of_a_rank_is_survived(pool, which):
     assert ray.get(victim.info.remote())["pid"] != pid
 
 
-def test_a_checkpoint_update_reaches_every_rank_and_streams_are_refused(pool, tmp_path):
+def test_checkpoint_and_streamed_updates_reach_every_rank(pool, tmp_path):
     source = perturbed(7)
     version = pool.update_weights(save(source, tmp_path / "ckpt"))
     seqs = random_sequences(10, seed=3, hi=90)
     assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
-    with pytest.raises(UpdateFailed, match="tensor-parallel workers take weight updates from checkpoints only"):
-        pool.update_weights({"lm_head.weight": torch.zeros(503, 64)})
+
+    streamed = perturbed(8)
+    with pool.weight_sender() as sender:  # whole tensors to both ranks (gloo); each keeps its parts
+        version = sender.send(streamed.named_parameters())
+        assert_matches(pool.compute_log_probs(seqs), seqs, streamed, version=version)
+        head = {"lm_head.weight": source.lm_head.weight}  # a partial update: the vocabulary rows of both ranks
+        version = sender.send(head)
+    streamed.lm_head.weight.data.copy_(source.lm_head.weight)
+    assert_matches(pool.compute_log_probs(seqs), seqs, streamed, version=version)
+    with pytest.raises(IncompatibleWeights, match=r"mlp.up_proj.weight has shape \[64, 64\], not 128 entries"):
+        pool.update_weights({"model.layers.1.mlp.up_proj.weight": torch.zeros(64, 64)})  # a part, not the whole
     assert pool.weights_version == version  # nothing changed
-    assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
+    assert_matches(pool.compute_log_probs(seqs), seqs, streamed, version=version)
+
+
+def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
+    """Streamed weights exist on no disk: a restarted rank has none, so its worker reports none and the pool's
+    owner streams every rank its part from the other worker (rank r to rank r), then the call completes."""
+    pool = WorkerPool.create("tiny", 2, tensor_parallel=2, max_tokens_per_batch=256, backend="torch")
+    try:
+        source = perturbed(9)
+        version = pool.update_weights(dict(source.named_parameters()))
+        follower = ray.get_actor(ray.get(pool.workers[0].followers_of.remote())[0], namespace="ppo_logprobs")
+        ray.kill(follower, no_restart=False)
+        seqs = random_sequences(16, seed=4, hi=70)
+        assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
+        assert [h["weights_version"] for h in pool.health()] == [version, version]
+        assert ray.get(follower.info.remote())["weights_version"] == version
+    finally:
+        pool.shutdown()
 
 
 def test_a_size_the_model_cannot_take_is_refused_before_any_actor_starts(cluster):

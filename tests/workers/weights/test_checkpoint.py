@@ -113,15 +113,18 @@ def _header(dtype, shape, nbytes) -> bytes:
 def test_a_tensor_parallel_rank_reads_its_parts(tmp_path, monkeypatch, tied):
     """A model cut for rank r of 2 (heads, MLP rows and columns, vocabulary rows: models/tensor_parallel.py) reads
     exactly shard_of(the whole tensor) of each checkpoint tensor; column parts in several row blocks; a tied
-    checkpoint's embedding gives the head its rows."""
+    model's head its rows of the checkpoint's embedding (an untied model refuses a checkpoint without a head)."""
     from ppo_logprobs.workers.models.tensor_parallel import cut_model, shard_of
 
     source = perturbed(4, tie_word_embeddings=tied)
     path = save(source, tmp_path / "whole")
     monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 1000)  # column parts read a few rows at a time
     whole = params(source)
+    if tied:
+        with pytest.raises(IncompatibleWeights, match="the checkpoint lacks 1 of the model's parameters, e.g. 'lm_he"):
+            read_checkpoint(cut_model(load_model("tiny", backend="torch"), 0, 2), path)
     for rank in (0, 1):
-        model = cut_model(load_model("tiny", backend="torch"), rank, 2)
+        model = cut_model(perturbed(0, tie_word_embeddings=tied), rank, 2)
         read_checkpoint(model, path).commit(model)
         for name, p in params(model).items():
             want = shard_of(name, whole.get(name, whole["model.embed_tokens.weight"]), rank, 2, model.config)

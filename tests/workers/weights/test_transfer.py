@@ -59,3 +59,51 @@ def test_two_receivers_get_the_senders_tensors(bucket_bytes):
         for entry in layout.entries:
             expected = sources[entry.name].to(entry.dtype)
             assert torch.equal(staged.tensor(entry), expected), entry.name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("bucket_bytes", [5000, 1 << 20])
+def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
+    """A trainer's stream of whole tensors to the two ranks of a tensor-parallel worker: each
+    rank stages exactly its parts (heads, MLP rows and columns, vocabulary rows; a tied model's head from the
+    embedding), and nothing changes before the commit. In-process updates (update_weights) cut the same way."""
+    from ppo_logprobs.workers import LogProbWorker
+    from ppo_logprobs.workers.models.tensor_parallel import cut_model, shard_of
+
+    from ...helpers import perturbed
+
+    source = perturbed(11, tie_word_embeddings=tied)
+    sent = dict(source.named_parameters())  # (a tied model names its embedding only)
+    ranks = [LogProbWorker(cut_model(perturbed(0, tie_word_embeddings=tied), r, 2)) for r in (0, 1)]
+    before = [{n: p.clone() for n, p in w.model.named_parameters()} for w in ranks]
+    shapes = {n: tuple(t.shape) for n, t in sent.items()}
+    layouts = [w.layout_for(shapes) for w in ranks]
+    assert layouts[0] == layouts[1] and [e.name for e in layouts[0].entries] == list(sent)  # whole tensors
+    store = serve_store(60)
+    spec = GroupSpec("tp", "127.0.0.1", store.port, 3, "gloo", 60)
+    errors = []
+
+    def receive(rank):
+        try:
+            ranks[rank].join_group(spec, rank + 1)
+            ranks[rank].stage_stream("tp", layouts[0], 1, bucket_bytes)
+        except Exception as e:  # reported to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    broadcast_tensors(open_group(spec, 0, store), sent, layouts[0], torch.device("cpu"), bucket_bytes)
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for rank, w in enumerate(ranks):
+        assert all(torch.equal(p, before[rank][n]) for n, p in w.model.named_parameters())  # staged only
+        w.commit(1)
+        for name, p in w.model.named_parameters():
+            whole = sent.get(name, sent["model.embed_tokens.weight"])  # the tied head: the embedding
+            assert torch.equal(p, shard_of(name, whole.detach(), rank, 2, w.model.config)), name
+        w.update_weights({n: t.detach() * 2 for n, t in sent.items()}, 2)
+        for name, p in w.model.named_parameters():
+            whole = sent.get(name, sent["model.embed_tokens.weight"]).detach() * 2
+            assert torch.equal(p, shard_of(name, whole, rank, 2, w.model.config)), name
