@@ -18,7 +18,8 @@ import uuid
 import ray
 import torch
 
-from ..errors import RequestError, UpdateFailed, WeightsUnavailable, WorkerLost, get
+from ..errors import RequestError, TooLarge, UpdateFailed, WeightsUnavailable, WorkerLost, get
+from ..head.vocab_parallel import sum_over
 from ..models import patch_model
 from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
@@ -28,15 +29,23 @@ from .owner import actors
 log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
-_ATTEMPTS = 3  # runs of one call, the group formed again between them
+_ATTEMPTS = 3  # runs of one call after failures, the group formed again between them
+_OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each time smaller ones)
+
+
+class OutOfMemoryInForward(RuntimeError):
+    """A rank ran out of memory inside a forward: the other ranks are left waiting in its collectives, so the
+    forward cannot be split where it failed; the leader runs the call again in a new group, every rank then
+    splitting forwards of that size up front (RankGroup._agree_room)."""
 
 
 class RankGroup:
     """Mixed into the pool's actor class before LogProbWorker. `rank` and `size` give this actor's place;
     `follower_names` (the leader only) the other ranks' actor names, in rank order."""
 
-    def _init_ranks(self, rank: int, size: int, follower_names: list[str] | None, backend: str) -> None:
-        self.rank, self.size = rank, size
+    def _init_ranks(self, rank: int, size: int, follower_names: list[str] | None, backend: str,
+                    timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self.rank, self.size, self._timeout_s = rank, size, timeout_s
         ## NB: the leader finds its other ranks by name each time it forms their group. Handles passed in its
         # constructor arguments go stale once it is restarted: Ray 2.60 never ran the calls made through them
         # (from the new process, or from anyone it handed them to) on a rank that had itself been restarted.
@@ -46,15 +55,17 @@ class RankGroup:
         self._group = None  # formed by the leader when it first scores, and again after a failure
         self._behind = False  # the leader: a rank lacks the current weights (restarted since)
         self._members: list[int] = []  # the leader: its group's other ranks, by process id
+        self._too_big = float("inf")  # tokens of the smallest forward that ran out of memory here
+        self._largest = (0, 0)  # (tokens, bytes it took) of the largest forward that ran here (CUDA)
 
     def _form_group(self) -> None:
         """The leader: a new store and group that every rank joins within GROUP_TIMEOUT_S. A rank still busy in a
         broken collective is free once that collective gives up (as long again), in time for the call's next
         attempt."""
         cuda = str(self.device).startswith("cuda")
-        store = serve_store(GROUP_TIMEOUT_S)
+        store = serve_store(self._timeout_s)
         spec = GroupSpec(f"ranks-{uuid.uuid4().hex[:12]}", ray.util.get_node_ip_address(), store.port, self.size,
-                         "nccl" if cuda else "gloo", GROUP_TIMEOUT_S)
+                         "nccl" if cuda else "gloo", self._timeout_s)
         self._stores[spec.name] = store
         self._group = None
         self.followers = actors(self._follower_names)
@@ -68,7 +79,7 @@ class RankGroup:
         worker report none (its owner then restores every rank)."""
         if not self.followers:
             self.followers = actors(self._follower_names)
-        infos = get([f.info.remote() for f in self.followers], timeout=GROUP_TIMEOUT_S)
+        infos = get([f.info.remote() for f in self.followers], timeout=self._timeout_s)
         if any(i["weights_version"] != self.weights_version for i in infos):
             self._behind, self._group = True, None
             raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
@@ -76,6 +87,7 @@ class RankGroup:
             self._group = None
 
     def join_ranks(self, spec, rank: int) -> int:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # a broken collective raises; the process lives on
         store = self._stores.pop(spec.name, None) if rank == 0 else None
         self._group = open_group(spec, rank, store)
         connect(self.model, self._group)
@@ -94,11 +106,20 @@ class RankGroup:
         if self._follower_names and not self.followers:
             self.followers = actors(self._follower_names)
         refs = [getattr(f, method).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
+        errors = []
         try:
             mine = getattr(super(), method)(*args_of(0))
-        finally:
-            done = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
-        get(done)
+        except Exception as e:
+            errors.append(e)
+        done = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
+        for ref in done:
+            try:
+                get(ref)
+            except Exception as e:
+                errors.append(e)
+        if errors:  # the cause first: a rank out of memory, else another rank's error before this one's (which may
+            # only be the collective that rank left waiting)
+            raise next((e for e in errors if isinstance(e, OutOfMemoryInForward)), errors[-1])
         if len(done) != len(refs):
             raise WorkerLost(f"a rank did not finish {method} within {wait_s:.0f} s of this one")
         return [mine, *get(refs)]
@@ -122,20 +143,59 @@ class RankGroup:
             return super().score_request(request)
         if self._behind or self.weights_version is None:
             raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
-        for attempt in range(1, _ATTEMPTS + 1):
+        failures = ooms = 0
+        while True:
             try:
                 self._check_ranks()
                 if self._group is None:
                     self._form_group()
-                return self._everywhere("score_request", request, wait_s=GROUP_TIMEOUT_S)  # (in step with this one)
-            except (RequestError, WeightsUnavailable):
+                return self._everywhere("score_request", request, wait_s=self._timeout_s)  # (in step with this one)
+            except (RequestError, WeightsUnavailable, TooLarge):
                 raise
-            except Exception as e:  # a rank died or a collective broke: form the group again, run again
-                if attempt == _ATTEMPTS:
-                    raise WorkerLost(f"a tensor-parallel worker failed {attempt} times: {type(e).__name__}") from e
+            except Exception as e:  # a rank died, ran out of memory or a collective broke: a new group, run again
+                oom = isinstance(e, OutOfMemoryInForward)
+                ooms, failures = ooms + oom, failures + (not oom)
+                if failures == _ATTEMPTS or ooms == _OOM_RUNS:
+                    raise WorkerLost(f"a tensor-parallel worker failed {failures + ooms} times: {e}") from e
                 log.warning("a rank of this worker failed (%s: %s); forming its group again", type(e).__name__, e)
                 self._group = None
-        raise AssertionError("unreachable")
+
+    def _score_group(self, request, group, limit, *out) -> int:
+        """One forward, as LogProbWorker's, once every rank agreed it has room for it: a forward that one rank
+        cannot fit is split by all (LogProbWorker.score_request), so the ranks stay in step."""
+        if self.size == 1:
+            return super()._score_group(request, group, limit, *out)
+        tokens = self._cost(request.lengths[group], limit)
+        self._agree_room(tokens)
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
+            base = torch.cuda.memory_allocated(self._device)
+        try:
+            cost = super()._score_group(request, group, limit, *out)
+        except torch.OutOfMemoryError:
+            self._too_big = min(self._too_big, tokens)
+            raise OutOfMemoryInForward(f"rank {self.rank} ran out of memory in a forward of {tokens} tokens") from None
+        if cuda and cost >= self._largest[0]:
+            self._largest = (cost, torch.cuda.max_memory_allocated(self._device) - base)
+        return cost
+
+    def _agree_room(self, tokens: int) -> None:
+        """Raises torch.OutOfMemoryError on every rank when any rank has no room for a forward of `tokens`: one
+        as large ran out of memory there, or (CUDA) the memory it would take, extrapolated from the largest forward
+        yet, cannot be allocated now (then the caching allocator holds it for the forward)."""
+        short = tokens >= self._too_big
+        seen, took = self._largest
+        if not short and self._device.type == "cuda" and seen and tokens > seen:
+            free = torch.cuda.memory_reserved(self._device) - torch.cuda.memory_allocated(self._device)
+            try:
+                torch.empty(max(0, took * tokens // seen - free), dtype=torch.uint8, device=self._device)
+            except torch.OutOfMemoryError:
+                short = True
+        votes = torch.tensor([float(short)], device=self._device)
+        sum_over(votes, self._group)
+        if votes.item():
+            raise torch.OutOfMemoryError(f"a rank of this worker has no room for a forward of {tokens} tokens")
 
     # Weight updates reach every rank through this one, so that each rank sees the calls in the same order.
     # A stream sends whole tensors; each rank keeps its parts (WeightsHolder.stage_stream).

@@ -28,7 +28,7 @@ from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, WeightOwner, actors
-from .rank_group import RankGroup
+from .rank_group import GROUP_TIMEOUT_S, RankGroup
 from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,14 @@ class _PooledWorker(RankGroup, LogProbWorker):
     tensor-parallel worker (rank_group.py)."""
 
     def __init__(self, *args, placement=None, owner=None, rank: int = 0, size: int = 1, followers=None,
-                 **kwargs) -> None:
+                 group_timeout_s: float = GROUP_TIMEOUT_S, **kwargs) -> None:
         restore = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             restore = ray.get(owner.restore_spec.remote())
         shard = dict(shard=(rank, size)) if size > 1 else {}
         super().__init__(*args, restore=restore, **shard, **kwargs)
         self.placement, self.owner = placement, owner
-        self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"))
+        self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"), group_timeout_s)
 
     def _kept(self, version: int, path: str) -> None:
         self.owner.kept.remote(version, path)

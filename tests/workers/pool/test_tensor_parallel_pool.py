@@ -2,13 +2,18 @@
 the loss of either rank's actor survived, checkpoint and streamed updates on every rank, a restarted rank given
 streamed weights back by a peer worker."""
 
+import sys
+import uuid
+
 import numpy as np
 import pytest
 import ray
 import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
-from ppo_logprobs.workers.errors import IncompatibleWeights
+from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, get
+from ppo_logprobs.workers.pool.worker_pool import _PooledWorker
+from ppo_logprobs.workers.request import ScoreRequest
 
 from ...helpers import alone, perturbed, random_sequences, save
 
@@ -96,3 +101,41 @@ def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
 def test_a_size_the_model_cannot_take_is_refused_before_any_actor_starts(cluster):
     with pytest.raises(ValueError, match="num_attention_heads = 4 does not divide among 3 ranks"):
         WorkerPool.create("tiny", 1, tensor_parallel=3, backend="torch")
+
+
+class OutOfMemoryAbove(_PooledWorker):
+    """A rank whose device runs out of memory in forwards over 40 tokens (CUDA's error, raised on the CPU). Only
+    rank 1's does, so rank 0 is left waiting in the forward's collectives."""
+
+    def _forward(self, **inputs):
+        if self.rank == 1 and inputs["input_ids"].numel() > 40:
+            raise torch.OutOfMemoryError("CUDA out of memory (test device)")
+        return super()._forward(**inputs)
+
+
+def test_a_forward_one_rank_cannot_fit_is_split_by_every_rank(cluster):
+    """Rank 1 runs out of memory inside a forward: the group is formed again (after its 5 s timeout here), and
+    from then on every rank splits forwards of that size up front, in step; a sequence that fits nowhere is
+    TooLarge on every rank."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (the test's actor class travels by value)
+    options = dict(max_tokens_per_batch=160, size=2, backend="torch", group_timeout_s=5.0)
+    name = f"oom-{uuid.uuid4().hex[:8]}:rank:1"
+    actor = ray.remote(OutOfMemoryAbove)
+    follower = actor.options(num_cpus=1, name=name, namespace="ppo_logprobs").remote("tiny", rank=1, **options)
+    leader = actor.options(num_cpus=1).remote("tiny", rank=0, followers=[name], **options)
+    try:
+        seqs = random_sequences(12, seed=1, hi=30)
+        request = ScoreRequest.build(seqs, 1, 1.0, True, vocab_size=503, max_length=160)
+        results = get(leader.score_request.remote(request)).sequences()
+        assert_matches(results, seqs, load_model("tiny", backend="torch"))
+        for rank in (leader, follower):
+            info = ray.get(rank.info.remote())
+            assert info["oom_splits"] > 0 and info["max_row_tokens"] <= 40
+        long = ScoreRequest.build([list(range(41))], 1, 1.0, True, vocab_size=503, max_length=160)
+        with pytest.raises(TooLarge, match="a sequence of 41 tokens does not fit in a worker's memory"):
+            get(leader.score_request.remote(long))
+        results = get(leader.score_request.remote(request)).sequences()  # the group still works
+        assert_matches(results, seqs, load_model("tiny", backend="torch"))
+    finally:
+        for rank in (leader, follower):
+            ray.kill(rank, no_restart=True)
