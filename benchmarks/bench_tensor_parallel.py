@@ -11,6 +11,11 @@ Timing: median of 3 after one warm-up, each pass between barriers (the slowest r
 
   python benchmarks/bench_tensor_parallel.py --out tp.json     # nvidia-h200-x2
   python benchmarks/bench_tensor_parallel.py --tiny            # CPU dry run: 2 gloo ranks, small shapes
+  python benchmarks/bench_tensor_parallel.py --one-gpu         # one H200: both 70B ranks on it (see below)
+
+--one-gpu checks that the 70B shape builds, fits and scores at TP = 2 where only one GPU is lent: both ranks share
+cuda:0 (half of 139 GiB each) and talk through gloo (host memory), scoring 8 x 4096 tokens one sequence per
+forward. It reports memory per rank and that the ranks agree; its time says nothing about TP on two GPUs.
 """
 
 from __future__ import annotations
@@ -43,19 +48,22 @@ TINY_7B = dict(QWEN25_7B, vocab_size=1003, hidden_size=56, intermediate_size=96,
                num_attention_heads=4, num_key_value_heads=2)
 
 
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of `reps` passes after one warm-up; each pass between barriers (the slowest rank)."""
+def timed(fn, device, reps: int, together: bool = True) -> float:
+    """Median seconds of `reps` passes after one warm-up; each pass between barriers (the slowest rank), unless
+    this rank times alone (`together` False)."""
     fn()
     times = []
     for _ in range(reps):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
+        if together:
+            dist.barrier()
         start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dist.barrier()
+        if together:
+            dist.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -104,18 +112,73 @@ def head(rank: int, size: int, group, device, dtype, shape: tuple[int, int, int]
                 speedup=whole / split, vocab_parallel_over_gemm=split / split_gemm)
 
 
+def fits(rank: int, group, device, dtype, config: dict, tokens: tuple[int, int]) -> dict:
+    """--one-gpu: this rank's part of the model built, and each sequence scored in a forward of its own."""
+    model = build_sharded(LlamaConfig(**config), rank, 2, device=device, dtype=dtype)
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    patch_model(connect(model, group), backend="auto" if device.type == "cuda" else "torch", process_group=group)
+    ids = torch.randint(0, config["vocab_size"], tokens, generator=torch.Generator().manual_seed(0)).to(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        log_probs = torch.cat([model(input_ids=row[None]).log_probs for row in ids])
+    every = [torch.empty_like(log_probs) for _ in range(2)]
+    dist.all_gather(every, log_probs)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return dict(scored_tokens=log_probs.numel(), finite=bool(torch.isfinite(log_probs).all()),
+                ranks_agree=bool(torch.equal(every[0], every[1])), seconds=time.perf_counter() - start,
+                weights_gib=weights / 2**30, peak_gib=peak / 2**30)
+
+
+def head_halves(device, dtype, shape: tuple[int, int, int], reps: int) -> dict:
+    """--one-gpu: the head's work on one rank of two (half the vocabulary rows, no group: the combine, one
+    all-gather of 3 floats a token, is not in it) against the whole head, each beside its cuBLAS GEMM."""
+    n, h, v = shape
+    g = torch.Generator(device=device).manual_seed(1)
+    hidden = torch.randn(n, h, device=device, dtype=dtype, generator=g)
+    weight = torch.randn(v, h, device=device, dtype=dtype, generator=g) / h**0.5
+    labels = torch.randint(0, v // 2, (n,), device=device, generator=g)
+    half = weight[: -(-v // 2)].contiguous()
+    backend = "auto" if device.type == "cuda" else "torch"
+    out = {}
+    with torch.no_grad():
+        for name, w in (("half", half), ("whole", weight)):
+            head = lambda w=w: fused_log_probs(hidden, w, labels, backend=backend)  # noqa: E731
+            out[f"{name}_head_s"] = timed(head, device, reps, together=False)
+            out[f"{name}_gemm_s"] = timed(lambda w=w: hidden @ w.T, device, reps, together=False)
+    return out
+
+
 def run(rank: int, port: int, args) -> None:
     cuda = not args.tiny
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", 0 if args.one_gpu else rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, device_id=device if cuda else None)
+    nccl = cuda and not args.one_gpu
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, device_id=device if nccl else None)
     world = dist.group.WORLD
     dtype = torch.bfloat16 if cuda else torch.float32
     tokens = (8, 4096) if cuda else (2, 32)
     reps = 3 if cuda else 1
     results = {}
+    if args.one_gpu:
+        try:
+            mine = fits(rank, world, device, dtype, TINY_70B if args.tiny else LLAMA3_70B, tokens)
+            every = [None, None]
+            dist.all_gather_object(every, mine)
+            if rank == 0:  # (rank 1 waits at the barrier: the GPU is rank 0's alone)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                halves = head_halves(device, dtype, (8192, 8192, 128256) if cuda else (64, 48, 1001), 10 * reps)
+                out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, ranks=every, head=halves)
+                print(json.dumps(out, indent=1), flush=True)
+                if args.out:
+                    with open(args.out, "w") as f:
+                        json.dump(out, f, indent=1)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        return
     try:
         results["7B shape, TP = 1, one model per GPU, both at once"] = score(
             TINY_7B if args.tiny else QWEN25_7B, 0, 1, None, device, dtype, tokens, reps)
@@ -164,9 +227,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: gloo, small shapes")
     parser.add_argument("--skip-70b", action="store_true")
+    parser.add_argument("--one-gpu", action="store_true", help="the 70B shape's two ranks on one GPU (gloo)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if not args.tiny and torch.cuda.device_count() < 2:
+    if not args.tiny and not args.one_gpu and torch.cuda.device_count() < 2:
         raise SystemExit("needs two GPUs (nvidia-h200-x2); --tiny runs the CPU dry run")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     with socket.socket() as s:
