@@ -21,6 +21,7 @@ forward. It reports memory per rank and that the ranks agree; its time says noth
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -166,9 +167,11 @@ def run(rank: int, port: int, args) -> None:
             mine = fits(rank, world, device, dtype, TINY_70B if args.tiny else LLAMA3_70B, tokens)
             every = [None, None]
             dist.all_gather_object(every, mine)
-            if rank == 0:  # (rank 1 waits at the barrier: the GPU is rank 0's alone)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+            gc.collect()  # (the connected model's forwards hold it in a cycle)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            dist.barrier()  # both models freed; rank 1 then waits at the last barrier, the GPU rank 0's alone
+            if rank == 0:
                 halves = head_halves(device, dtype, (8192, 8192, 128256) if cuda else (64, 48, 1001), 10 * reps)
                 out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__, ranks=every, head=halves)
                 print(json.dumps(out, indent=1), flush=True)
