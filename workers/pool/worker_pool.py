@@ -155,7 +155,7 @@ class WorkerPool:
     """Ray actors holding one patched model each, and the owner of their weights. Build with `create`, or attach to
     a named pool with `connect`; every handle of one pool shares its owner, so versions agree between them."""
 
-    def __init__(self, owner, workers: list, info: dict, *, name: str | None = None, placement=None) -> None:
+    def __init__(self, owner, workers: list, info: dict, *, name: str | None = None, placements=()) -> None:
         self.owner = owner
         self.workers = workers
         self.name = name
@@ -163,7 +163,7 @@ class WorkerPool:
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
         self.device = info["device"]
         self.ranks = info.get("ranks", 1)  # per worker (tensor parallelism)
-        self._placement = placement
+        self._placements = list(placements)
         self._ranks: list = []
 
     @classmethod
@@ -184,12 +184,13 @@ class WorkerPool:
     ) -> WorkerPool:
         """Starts num_workers actors in one placement group, and their WeightOwner. num_gpus_per_worker defaults to
         1 when the cluster has GPUs and 0 (CPU actors) when it has none; a whole number N > 1 makes each worker N
-        actors of one GPU each, holding the model's tensor-parallel parts (`tensor_parallel`, default N; on CPU
-        clusters give it alone, e.g. 2, for gloo ranks). `resources` adds custom Ray resources per
-        worker (to pin the workers to node types that have them). With a name, actors and placement group are named
-        and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`.
+        actors of one GPU each, on one node (a placement group of its own), holding the model's tensor-parallel
+        parts (`tensor_parallel`, default N; on CPU clusters give it alone, e.g. 2, for gloo ranks). `resources`
+        adds custom Ray resources per worker (to pin the workers to node types that have them). With a name, actors
+        and placement groups are named and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`.
         `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the served weights
-        on the worker's node so that a restarted worker gets them back whatever their source (weights/keep.py)."""
+        on the worker's node so that a restarted worker gets them back whatever their source (weights/keep.py);
+        not for tensor-parallel workers."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
@@ -200,19 +201,29 @@ class WorkerPool:
             num_gpus_per_worker = 1 if num_gpus_per_worker else 0  # per rank
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
-        placement = placement_group([bundle] * (num_workers * size), strategy="PACK",
-                                    lifetime="detached" if name else None)
+        # one placement group packing the workers; with tensor parallelism one per worker, its ranks on one node
+        lifetime = "detached" if name else None
+        if size == 1:
+            placements = [placement_group([bundle] * num_workers, strategy="PACK", lifetime=lifetime)]
+        else:
+            placements = [placement_group([bundle] * size, strategy="STRICT_PACK", lifetime=lifetime)
+                          for _ in range(num_workers)]
         try:
-            ray.get(placement.ready(), timeout=ready_timeout_s)
+            ray.get([p.ready() for p in placements], timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(placement)
+            for p in placements:
+                remove_placement_group(p)
             raise RuntimeError(
-                f"could not place {num_workers} workers of {bundle} within {ready_timeout_s:.0f} s; "
+                f"could not place {num_workers} workers of {size} x {bundle} (the ranks of one worker on one node) "
+                f"within {ready_timeout_s:.0f} s; "
                 f"the cluster has {ray.available_resources()} free"
             ) from None
         key = f"weights:{name or uuid.uuid4().hex}"
         if local_copy is None:
-            local_copy = num_workers == 1
+            local_copy = num_workers == 1 and size == 1
+        if local_copy and size > 1:
+            raise ValueError("local_copy: tensor-parallel workers keep no local copy of their parts (a restarted rank "
+                             "reads the current checkpoint, or gets its part from a peer worker)")
         keep_dir = f"ppo_logprobs-{key.replace(':', '-')}" if local_copy else None
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
@@ -229,14 +240,14 @@ class WorkerPool:
             else:
                 actor_name = _actor_name(name, i) if name else None
             names = dict(name=actor_name, **(detached or dict(namespace=NAMESPACE))) if actor_name else {}
+            placement, bundle = (placements[0], i) if size == 1 else (placements[i], rank)
             return actor.options(
                 num_cpus=1,
                 num_gpus=num_gpus_per_worker,
                 resources=resources or {},
                 max_restarts=max_restarts,
                 max_task_retries=max_restarts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement,
-                                                                     placement_group_bundle_index=i * size + rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
                 **names,
             ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner, rank=rank,
                      size=size, **extra, **load_options)
@@ -249,7 +260,7 @@ class WorkerPool:
         infos = ray.get([w.info.remote() for w in workers])
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
-        pool = cls(owner, workers, infos[0], name=name, placement=placement)
+        pool = cls(owner, workers, infos[0], name=name, placements=placements)
         pool._ranks = ranks  # holds the other ranks of an unnamed pool alive (Ray frees actors nobody holds)
         return pool
 
@@ -262,7 +273,8 @@ class WorkerPool:
             raise ValueError(f"no worker pool named {name!r} in namespace {NAMESPACE!r}") from None
         workers = ray.get(owner.state.remote())["workers"]
         info = ray.get(workers[0].info.remote())
-        return cls(owner, workers, info, name=name, placement=ray.get(workers[0].placement_group.remote()))
+        placements = {p.id: p for p in ray.get([w.placement_group.remote() for w in workers])}
+        return cls(owner, workers, info, name=name, placements=placements.values())
 
     @property
     def weights_version(self) -> int:
@@ -337,13 +349,13 @@ class WorkerPool:
         return out
 
     def shutdown(self) -> None:
-        """Kills the actors and the owner (no restart), frees their placement group and local copies."""
+        """Kills the actors and the owner (no restart), frees their placement groups and local copies."""
         ray.wait([w.remove_local_copy.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
         ranks = list(self.workers)
         for w in self.workers:
             try:
                 ranks += actors(ray.get(w.followers_of.remote(), timeout=30))
-            except Exception:  # a dead leader: its ranks go with the placement group's removal below
+            except Exception:  # a dead leader: its ranks go with their placement group's removal below
                 pass
         for w in ranks:
             ray.kill(w, no_restart=True)
@@ -351,8 +363,8 @@ class WorkerPool:
             ray.get(self.owner.forget.remote(), timeout=30)
         finally:
             ray.kill(self.owner, no_restart=True)
-        if self._placement is not None:
-            remove_placement_group(self._placement)
+        for placement in self._placements:
+            remove_placement_group(placement)
         self.workers = []
 
 

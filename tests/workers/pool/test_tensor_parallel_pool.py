@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from ray.util.placement_group import placement_group_table
 
 from ppo_logprobs.workers import WorkerPool, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, get
@@ -85,6 +86,8 @@ def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
     """Streamed weights exist on no disk: a restarted rank has none, so its worker reports none and the pool's
     owner streams every rank its part from the other worker (rank r to rank r), then the call completes."""
     pool = WorkerPool.create("tiny", 2, tensor_parallel=2, max_tokens_per_batch=256, backend="torch")
+    placements = pool._placements  # each worker's ranks on one node: a placement group of its own
+    assert [(placement_group_table(p)["strategy"], len(p.bundle_specs)) for p in placements] == [("STRICT_PACK", 2)] * 2
     try:
         source = perturbed(9)
         version = pool.update_weights(dict(source.named_parameters()))
@@ -96,6 +99,7 @@ def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
         assert ray.get(follower.info.remote())["weights_version"] == version
     finally:
         pool.shutdown()
+    assert all(placement_group_table(p)["state"] == "REMOVED" for p in placements)
 
 
 def test_a_size_the_model_cannot_take_is_refused_before_any_actor_starts(cluster):
