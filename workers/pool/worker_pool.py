@@ -188,9 +188,9 @@ class WorkerPool:
         parts (`tensor_parallel`, default N; on CPU clusters give it alone, e.g. 2, for gloo ranks). `resources`
         adds custom Ray resources per worker (to pin the workers to node types that have them). With a name, actors
         and placement groups are named and detached: they outlive this driver until `shutdown()`, and other jobs can
-        `connect(name)`. `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the served weights
-        on the worker's node so that a restarted worker gets them back whatever their source (weights/keep.py);
-        not for tensor-parallel workers."""
+        `connect(name)`. `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the
+        served weights on the worker's node so that a restarted worker gets them back whatever their source
+        (weights/keep.py); not for tensor-parallel workers."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
