@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 import transformers
 
 from ppo_logprobs.workers import load_model, patch_model
+from ppo_logprobs.workers.head.vocab_parallel import sum_over
 from ppo_logprobs.workers.models.tensor_parallel import (
     build_sharded,
     check_shardable,
@@ -171,3 +172,24 @@ def run_cuda(rank, port):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_ranks_on_cuda_are_exact_as_one_and_invariant():
     mp.spawn(run_cuda, args=(free_port(),), nprocs=WORLD)
+
+
+def check_sums(rank, port):
+    """Three ranks: a row's sum over the group has the same bits wherever the row sits in the buffer (alone, in
+    another order, among other rows), and is the parts added in rank order in float32, rounded once."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:
+        x = torch.randn(301, 67, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16) * 10**rank
+        parts = [torch.randn(301, 67, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16) * 10**r
+                 for r in range(3)]
+        whole = sum_over(x.clone(), dist.group.WORLD)
+        assert torch.equal(whole, ((parts[0].float() + parts[1]) + parts[2]).to(torch.bfloat16))
+        order = torch.randperm(301, generator=torch.Generator().manual_seed(9))
+        for rows in (order, torch.tensor([200]), torch.arange(5, 300, 7)):
+            assert torch.equal(sum_over(x[rows].clone(), dist.group.WORLD), whole[rows])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_ranks_sum_a_row_alike_wherever_it_sits():
+    mp.spawn(check_sums, args=(free_port(),), nprocs=3)
