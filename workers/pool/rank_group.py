@@ -134,6 +134,8 @@ class RankGroup:
             info["weights_version"] = None
         return dict(info, ranks=self.size)
 
+    health = info
+
     def devices(self) -> list[str]:
         return [gpu for mine in self._on_ranks("devices", lambda r: ()) for gpu in mine]
 
