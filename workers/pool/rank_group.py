@@ -7,6 +7,10 @@ when it first scores, and formed again when a call finds it broken: a rank that 
 of the current checkpoint, and joins the new group; the call is then run again. A rank restarted while the weights
 came from a stream has none: the worker then reports none, and its pool's owner restores every rank (from a peer
 worker, rank r's part to rank r, or from the current checkpoint).
+
+Out of memory: every rank splits the same forwards, or none does. Before each forward the ranks agree that each has
+room for it (_agree_room); a rank that still runs out inside one leaves the others in its collectives, so the
+group is formed again and the call run again, that size now split up front.
 """
 
 from __future__ import annotations
