@@ -3,6 +3,7 @@ the loss of either rank's actor survived, checkpoint and streamed updates on eve
 streamed weights back by a peer worker."""
 
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -51,13 +52,19 @@ def test_two_ranks_score_as_the_whole_model(pool):
 
 
 @pytest.mark.parametrize("which", ["follower", "leader"])
-def test_the_loss_of_a_rank_is_survived(pool, which):
-    seqs = random_sequences(12, seed=2, hi=80)
+@pytest.mark.parametrize("during", [False, True])
+def test_the_loss_of_a_rank_is_survived(pool, which, during):
+    """Killed between calls, or during one (its forwards under way in both ranks): Ray restarts it, it reads its
+    part again, the group is formed anew and the call completes with every sequence's right numbers."""
+    seqs = random_sequences(600 if during else 12, seed=2, hi=150 if during else 80)  # (about 3 s of work)
     follower = ray.get(pool.workers[0].followers_of.remote())[0]
     victim = pool.workers[0] if which == "leader" else ray.get_actor(follower, namespace="ppo_logprobs")
     pid = ray.get(victim.info.remote())["pid"]
-    ray.kill(victim, no_restart=False)  # Ray restarts it; it reads its part again and the group is formed anew
-    results = pool.compute_log_probs(seqs)
+    call = pool.compute_log_probs_async(seqs) if during else None
+    if during:
+        time.sleep(1.0)
+    ray.kill(victim, no_restart=False)
+    results = ray.get(call) if during else pool.compute_log_probs(seqs)
     assert_matches(results, seqs, load_model("tiny", backend="torch"))
     assert ray.get(victim.info.remote())["pid"] != pid
 
