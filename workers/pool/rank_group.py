@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 
 import ray
 import torch
@@ -27,6 +28,7 @@ from ..head.vocab_parallel import sum_over
 from ..models import patch_model
 from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
+from ..weights.keep import rank_copy
 from ..weights.transfer import GroupSpec, open_group, serve_store
 from .owner import actors
 
@@ -207,7 +209,12 @@ class RankGroup:
     # A stream sends whole tensors; each rank keeps its parts (WeightsHolder.stage_stream).
 
     def stage_checkpoint(self, path: str, version: int) -> None:
-        self._everywhere("stage_checkpoint", path, version)
+        """A checkpoint every rank reads its parts of, or this rank's local copy: each rank then reads its own."""
+        own = self._copy is not None and Path(path).parent == self._copy.root
+        self._on_ranks("stage_checkpoint", lambda r: (rank_copy(path, r) if own else path, version))
+
+    def remove_local_copy(self) -> None:
+        self._everywhere("remove_local_copy")
 
     def commit(self, version: int) -> int:
         self._everywhere("commit", version)

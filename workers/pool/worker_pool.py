@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
 from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
+from ..weights.keep import rank_copy
 from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, WeightOwner, actors
 from .rank_group import GROUP_TIMEOUT_S, RankGroup
@@ -56,13 +57,20 @@ class _PooledWorker(RankGroup, LogProbWorker):
         restore = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             restore = ray.get(owner.restore_spec.remote())
-        shard = dict(shard=(rank, size)) if size > 1 else {}
+        shard = {}
+        if size > 1:  # one rank of a tensor-parallel worker: its parts, and its own local copy (weights/keep.py)
+            shard = dict(shard=(rank, size))
+            if kwargs.get("keep_dir"):
+                kwargs["keep_dir"] = f"{kwargs['keep_dir']}/rank{rank}"
+            if restore and restore.get("keep"):
+                restore["keep"] = rank_copy(restore["keep"], rank)
         super().__init__(*args, restore=restore, **shard, **kwargs)
         self.placement, self.owner = placement, owner
         self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"), group_timeout_s)
 
     def _kept(self, version: int, path: str) -> None:
-        self.owner.kept.remote(version, path)
+        if self.rank == 0:  # (the other ranks' copies are found beside it: keep.rank_copy)
+            self.owner.kept.remote(version, path)
 
     def placement_group(self):
         return self.placement
@@ -190,7 +198,7 @@ class WorkerPool:
         and placement groups are named and detached: they outlive this driver until `shutdown()`, and other jobs can
         `connect(name)`. `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the
         served weights on the worker's node so that a restarted worker gets them back whatever their source
-        (weights/keep.py); not for tensor-parallel workers."""
+        (weights/keep.py; each rank of a tensor-parallel worker keeps its parts)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
@@ -220,10 +228,7 @@ class WorkerPool:
             ) from None
         key = f"weights:{name or uuid.uuid4().hex}"
         if local_copy is None:
-            local_copy = num_workers == 1 and size == 1
-        if local_copy and size > 1:
-            raise ValueError("local_copy: tensor-parallel workers keep no local copy of their parts (a restarted rank "
-                             "reads the current checkpoint, or gets its part from a peer worker)")
+            local_copy = num_workers == 1
         keep_dir = f"ppo_logprobs-{key.replace(':', '-')}" if local_copy else None
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
@@ -254,7 +259,7 @@ class WorkerPool:
 
         workers, ranks = [], []
         for i in range(num_workers):
-            ranks += [start(i, rank) for rank in range(1, size)]
+            ranks += [start(i, rank, keep_dir=keep_dir) for rank in range(1, size)]
             followers = [_rank_name(ranks_prefix, i, rank) for rank in range(1, size)]
             workers.append(start(i, 0, followers=followers, keep_dir=keep_dir))
         infos = ray.get([w.info.remote() for w in workers])

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
+from .keep import PARTS_FILE
 from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
 
 _DTYPES = {
@@ -106,7 +107,10 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
     """The checkpoint's tensors, their staging layout, and what each staged tensor is read from (see rank_parts:
     a tensor-parallel rank reads its part of each); every refusal raised before any data is read."""
     index = read_index(path)
-    parts = rank_parts(model, {n: s.shape for n, s in index.items()})
+    if _holds_parts(model, path):  # a tensor-parallel rank's local copy of its own parts
+        parts = {name: (name, None) for name in index}
+    else:
+        parts = rank_parts(model, {n: s.shape for n, s in index.items()})
     shapes = {n: part_shape(index[source].shape, part) for n, (source, part) in parts.items()}
     layout = match_model(model, shapes, full=True, what="the checkpoint")
     for entry in layout.entries:
@@ -114,6 +118,21 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
     return index, layout, parts
+
+
+def _holds_parts(model: nn.Module, path: str) -> bool:
+    """Whether the checkpoint at `path` holds this tensor-parallel rank's parts (weights/keep.py); another rank's,
+    or any for a model that is not such a rank, is refused."""
+    marker = Path(path) / PARTS_FILE
+    if not marker.is_file():
+        return False
+    held = json.loads(marker.read_text())
+    mine = getattr(model, "tp_shard", None)
+    if mine is None or (held["rank"], held["size"]) != tuple(mine):
+        theirs = f"rank {mine[0]} of {mine[1]}" if mine else "a whole model"
+        raise IncompatibleWeights(f"{clip(path, 200)!r} holds the parts of tensor-parallel rank {held['rank']} of "
+                                  f"{held['size']}; this model is {theirs}")
+    return True
 
 
 _slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads

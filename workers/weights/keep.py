@@ -6,10 +6,14 @@ What it costs: for a checkpoint, hard links to its shards (free, when the copy's
 system; else one copy of the files). For streamed weights, one safetensors file of the model's size on the worker's
 node, written by a background thread after each update: the copy out of device memory (~1 s for 15 GB) holds off
 only the next commit, and host memory of the model's size is used while the file is written.
+
+A tensor-parallel rank keeps its own copy in a folder of its own (`rank{r}`): of a checkpoint, the same links to the
+whole tensors (it reads its parts again); of streamed weights, its parts, marked as such (PARTS_FILE).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,6 +26,14 @@ from safetensors.torch import save_file
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+PARTS_FILE = "tensor_parallel_part.json"  # {"rank": r, "size": n}: the copy holds that rank's parts, not whole tensors
+
+
+def rank_copy(path: str, rank: int) -> str:
+    """Where tensor-parallel rank `rank` keeps the version whose copy is at `path` (another rank's folder)."""
+    copy = Path(path)
+    return str(copy.parent.parent / f"rank{rank}" / copy.name)
 
 
 class LocalCopy:
@@ -61,6 +73,9 @@ class LocalCopy:
                 tensors = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
             partial = self._partial(target)
             save_file(tensors, str(partial / "model.safetensors"))
+            shard = getattr(model, "tp_shard", None)
+            if shard is not None:
+                (partial / PARTS_FILE).write_text(json.dumps(dict(rank=shard[0], size=shard[1])))
             partial.rename(target)
             self._done(version, target)
         except Exception:  # the copy is a fallback; the worker goes on serving without it

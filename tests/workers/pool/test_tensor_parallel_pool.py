@@ -2,9 +2,12 @@
 the loss of either rank's actor survived, checkpoint and streamed updates on every rank, a restarted rank given
 streamed weights back by a peer worker."""
 
+import json
+import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from ppo_logprobs.workers import WorkerPool, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, get
 from ppo_logprobs.workers.pool.worker_pool import _PooledWorker
 from ppo_logprobs.workers.request import ScoreRequest
+from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
+from ppo_logprobs.workers.weights.keep import PARTS_FILE, rank_copy
 
 from ...helpers import alone, perturbed, random_sequences, save
 
@@ -87,6 +92,27 @@ def test_checkpoint_and_streamed_updates_reach_every_rank(pool, tmp_path):
         pool.update_weights({"model.layers.1.mlp.up_proj.weight": torch.zeros(64, 64)})  # a part, not the whole
     assert pool.weights_version == version  # nothing changed
     assert_matches(pool.compute_log_probs(seqs), seqs, streamed, version=version)
+
+
+@pytest.mark.parametrize("which", ["follower", "leader"])
+def test_a_lone_worker_gets_streamed_weights_back_from_its_ranks_local_copies(pool, which):
+    """A pool of one tensor-parallel worker has no peer: each rank keeps a local copy of its parts of streamed
+    weights (its own folder, marked as parts), and a restarted rank reads its own back."""
+    source = perturbed(12)
+    version = pool.update_weights(dict(source.named_parameters()))
+    for _ in range(600):  # the copies are written in the background; the owner hears of rank 0's
+        keep = ray.get(pool.owner.state.remote())["source"].get("keep", "")
+        if keep.endswith(f"/rank0/v{version}") and os.path.isdir(rank_copy(keep, 1)):
+            break
+        time.sleep(0.1)
+    assert json.loads((Path(rank_copy(keep, 1)) / PARTS_FILE).read_text()) == dict(rank=1, size=2)
+    follower = ray.get_actor(ray.get(pool.workers[0].followers_of.remote())[0], namespace="ppo_logprobs")
+    victim = pool.workers[0] if which == "leader" else follower
+    ray.kill(victim, no_restart=False)
+    seqs = random_sequences(10, seed=6, hi=90)
+    assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
+    with pytest.raises(IncompatibleWeights, match=r"holds the parts of tensor-parallel rank 1 of 2; this model is a w"):
+        read_checkpoint(load_model("tiny", backend="torch"), rank_copy(keep, 1))
 
 
 def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
