@@ -161,7 +161,7 @@ def receive_parts(group: dist.ProcessGroup, layout: Layout, staged: StagedWeight
         if name in entries:
             cuts.setdefault(source, []).append((entries[name], part))
     plan = buckets(layout, bucket_bytes)
-    scratch = torch.empty(max(hi - lo for lo, hi in map(_span, plan)), dtype=torch.uint8, device=device)
+    scratch = torch.empty(max((hi - lo for lo, hi in map(_span, plan)), default=0), dtype=torch.uint8, device=device)
     for bucket in plan:
         lo, hi = _span(bucket)
         group.broadcast([scratch[: hi - lo]], _root0()).wait()
