@@ -181,7 +181,12 @@ class LogProbWorker(WeightsHolder):
         return [gpu_uuid(self.device) or str(self.device)]
 
     def config(self) -> dict:
-        return self.model.config.to_dict()
+        """The model's config, as its pool saves it to rebuild a restarted worker (a tensor-parallel rank's: that of
+        the whole model, whose head may have been tied before the cut)."""
+        config = self.model.config.to_dict()
+        if getattr(self.model, "tp_tied", False):
+            config["tie_word_embeddings"] = True
+        return config
 
     def score(
         self,

@@ -210,7 +210,7 @@ class RankGroup:
 
     def stage_checkpoint(self, path: str, version: int) -> None:
         """A checkpoint every rank reads its parts of, or this rank's local copy: each rank then reads its own."""
-        own = self._copy is not None and Path(path).parent == self._copy.root
+        own = bool(self._follower_names) and self._copy is not None and Path(path).parent == self._copy.root
         self._on_ranks("stage_checkpoint", lambda r: (rank_copy(path, r) if own else path, version))
 
     def remove_local_copy(self) -> None:
@@ -219,6 +219,7 @@ class RankGroup:
     def commit(self, version: int) -> int:
         self._everywhere("commit", version)
         self._behind = False
+        self._too_big = float("inf")  # (memory changed: the staging buffer is gone; sizes are tried afresh)
         return version
 
     def abort(self, version: int) -> None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import os
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +38,7 @@ from .weight_sender import WeightSender
 log = logging.getLogger(__name__)
 
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
+KEPT_WAIT_S = 600.0  # how long rank 0 of a tensor-parallel worker waits for the other ranks' local copies
 
 
 def _actor_name(pool: str, index: int) -> str:
@@ -69,8 +73,24 @@ class _PooledWorker(RankGroup, LogProbWorker):
         self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"), group_timeout_s)
 
     def _kept(self, version: int, path: str) -> None:
-        if self.rank == 0:  # (the other ranks' copies are found beside it: keep.rank_copy)
+        """The owner hears of a copy once every rank's is whole (found beside rank 0's: keep.rank_copy)."""
+        if self.rank != 0:
+            return
+        others = [rank_copy(path, r) for r in range(1, self.size)]
+
+        def tell() -> None:
+            deadline = time.monotonic() + KEPT_WAIT_S
+            while not all(os.path.isdir(p) for p in others):
+                if time.monotonic() > deadline:
+                    log.warning("the ranks' local copies of version %d are not all there; not using them", version)
+                    return
+                time.sleep(0.5)
             self.owner.kept.remote(version, path)
+
+        if others:
+            threading.Thread(target=tell, daemon=True).start()
+        else:
+            tell()
 
     def placement_group(self):
         return self.placement

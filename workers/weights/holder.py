@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from ..errors import UpdateFailed
+from ..errors import IncompatibleWeights, UpdateFailed, WeightsUnavailable
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
 from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
@@ -55,6 +55,13 @@ class WeightsHolder:
         two layouts are one unless this model is a tensor-parallel rank's part."""
         parts = rank_parts(self.model, shapes)
         mine = {name: part_shape(shapes[source], part) for name, (source, part) in parts.items()}
+        if self.weights_version is None and not full:  # restarted, holding initial values: all of them, or none
+            try:
+                match_model(self.model, mine, full=True, what="the update")
+            except IncompatibleWeights as e:
+                raise WeightsUnavailable(f"a worker was restarted and has no weights, so a partial update cannot "
+                                         f"give it them ({e}); send every parameter, or score once first (the pool "
+                                         "then restores it)") from None
         staging = match_model(self.model, mine, full=full, what="the update")
         if getattr(self.model, "tp_shard", None) is None:
             return staging, staging, parts

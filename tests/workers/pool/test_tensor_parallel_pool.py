@@ -16,7 +16,7 @@ import torch
 from ray.util.placement_group import placement_group_table
 
 from ppo_logprobs.workers import WorkerPool, load_model
-from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, get
+from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, WeightsUnavailable, get
 from ppo_logprobs.workers.pool.worker_pool import _PooledWorker
 from ppo_logprobs.workers.request import ScoreRequest
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
@@ -113,6 +113,8 @@ def test_a_lone_worker_gets_streamed_weights_back_from_its_ranks_local_copies(po
     assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
     with pytest.raises(IncompatibleWeights, match=r"holds the parts of tensor-parallel rank 1 of 2; this model is a w"):
         read_checkpoint(load_model("tiny", backend="torch"), rank_copy(keep, 1))
+    ray.get(pool.workers[0].stage_checkpoint.remote(keep, version + 1))  # (the owner's fallback): each its own copy
+    ray.get(pool.workers[0].abort.remote(version + 1))
 
 
 def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
@@ -126,7 +128,13 @@ def test_a_restarted_rank_gets_streamed_weights_from_a_peer_worker(cluster):
         version = pool.update_weights(dict(source.named_parameters()))
         follower = ray.get_actor(ray.get(pool.workers[0].followers_of.remote())[0], namespace="ppo_logprobs")
         ray.kill(follower, no_restart=False)
+        head = {"lm_head.weight": perturbed(10).lm_head.weight}
+        with pytest.raises(WeightsUnavailable, match="restarted and has no weights, so a partial update cannot"):
+            pool.update_weights(head)  # the restarted rank holds initial values: a head alone would not do
         seqs = random_sequences(16, seed=4, hi=70)
+        assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
+        version = pool.update_weights(head)  # restored first by the call above: now it lands
+        source.lm_head.weight.data.copy_(head["lm_head.weight"])
         assert_matches(pool.compute_log_probs(seqs), seqs, source, version=version)
         assert [h["weights_version"] for h in pool.health()] == [version, version]
         assert ray.get(follower.info.remote())["weights_version"] == version

@@ -103,6 +103,10 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
         for name, p in w.model.named_parameters():
             whole = sent.get(name, sent["model.embed_tokens.weight"])  # the tied head: the embedding
             assert torch.equal(p, shard_of(name, whole.detach(), rank, 2, w.model.config)), name
+        if tied:  # a rank rebuilt from the config its pool saved (a restart) is tied as before the cut
+            from ppo_logprobs.workers import load_model
+
+            assert load_model("", config=w.config(), shard=(rank, 2), backend="torch").tp_tied
         w.update_weights({n: t.detach() * 2 for n, t in sent.items()}, 2)
         for name, p in w.model.named_parameters():
             whole = sent.get(name, sent["model.embed_tokens.weight"]).detach() * 2
