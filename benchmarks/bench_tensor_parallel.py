@@ -182,15 +182,20 @@ def run(rank: int, port: int, args) -> None:
         finally:
             dist.destroy_process_group()
         return
+    def note(name: str, value: dict) -> None:
+        results[name] = value
+        if rank == 0:  # (as each case ends, in case a run is cut short)
+            print(name, json.dumps(value), flush=True)
+
     try:
-        results["7B shape, TP = 1, one model per GPU, both at once"] = score(
-            TINY_7B if args.tiny else QWEN25_7B, 0, 1, None, device, dtype, tokens, reps)
-        results["7B shape, TP = 2"] = score(TINY_7B if args.tiny else QWEN25_7B, rank, 2, world, device, dtype,
-                                            tokens, reps)
+        note("7B shape, TP = 1, one model per GPU, both at once",
+             score(TINY_7B if args.tiny else QWEN25_7B, 0, 1, None, device, dtype, tokens, reps))
+        note("7B shape, TP = 2",
+             score(TINY_7B if args.tiny else QWEN25_7B, rank, 2, world, device, dtype, tokens, reps))
         if not args.skip_70b:
-            results["70B shape, TP = 2"] = score(TINY_70B if args.tiny else LLAMA3_70B, rank, 2, world, device, dtype,
-                                                 tokens, reps)
-        results["head"] = head(rank, 2, world, device, dtype, (8192, 8192, 128256) if cuda else (64, 48, 1001), reps)
+            note("70B shape, TP = 2",
+                 score(TINY_70B if args.tiny else LLAMA3_70B, rank, 2, world, device, dtype, tokens, reps))
+        note("head", head(rank, 2, world, device, dtype, (8192, 8192, 128256) if cuda else (64, 48, 1001), reps))
         every = [None, None]
         dist.all_gather_object(every, results)
         if rank == 0:
