@@ -89,6 +89,7 @@ def score(config: dict, rank: int, size: int, group, device, dtype, tokens: tupl
         seconds = timed(lambda: model(input_ids=ids), device, reps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     model = out = None  # freed before the next case builds its own
+    gc.collect()  # (a connected model's forwards hold it in a cycle)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(seconds=seconds, tokens_per_s=tokens[0] * tokens[1] / seconds, params=params,
