@@ -1,5 +1,6 @@
 """A float64 oracle for the head: the naive full-logits computation, differentiable by autograd."""
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -25,3 +26,14 @@ def reference_log_probs(
     picked = log_p.gather(-1, labels.masked_fill(ignored, 0)[..., None])[..., 0]
     entropy = -(log_p.exp() * log_p).sum(-1)
     return picked.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0)
+
+
+def assert_same_bits(got: Tensor, want: Tensor, interpreted: bool) -> None:
+    """Bitwise, where batch invariance is promised (compiled kernels, the torch backend). Under the Triton
+    interpreter `tl.dot` is numpy's matmul, and OpenBLAS's FMA kernels may sum a row in another order for another
+    row count (seen on AMD EPYC), so there the promise is a value within one float32 ulp of the other."""
+    if not interpreted:
+        assert torch.equal(got, want), (got - want).abs().max()
+        return
+    ulp = torch.from_numpy(np.spacing(np.maximum(got.abs().cpu().numpy(), want.abs().cpu().numpy())))
+    assert ((got - want).abs().cpu() <= ulp).all(), (got - want).abs().max()

