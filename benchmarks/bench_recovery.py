@@ -40,11 +40,11 @@ def main() -> None:
     expected = httpx.post(url + "/logprobs", json=body, timeout=600).json()["results"]
     rows = []
     for _ in range(args.kills):
-        pid = httpx.get(url + "/readyz").json()["models"]["policy"][0]["pid"]
+        pid = httpx.get(url + "/v1/health").json()["models"]["policy"][0]["pid"]
         start = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
         while True:
-            r = httpx.get(url + "/readyz", timeout=600)
+            r = httpx.get(url + "/v1/health", timeout=600)
             if r.status_code == 200 and r.json()["models"]["policy"][0]["pid"] != pid:
                 break
             time.sleep(0.05)

@@ -35,17 +35,19 @@ def curl_example(settings: Settings) -> str:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = parse_args(argv)
+    ## NB: Ray and Serve read these when they are imported, so they are set before the imports below.
     if is_loopback(settings.host):
-        ## NB: a one-machine service keeps Ray's own listeners on loopback too (README: Security); Ray reads this
-        # when it is imported, so it is set before the import below.
+        # a one-machine service keeps Ray's own listeners on loopback too (README: Security)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if settings.ingress == "haproxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
     import ray
     from ray import serve
 
     from .app import build_app
 
     ray.init(include_dashboard=False)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
     url = f"http://{settings.host}:{settings.port}"
     log.info("ready on %s (docs at %s/docs). Try:", url, url)

@@ -1,4 +1,5 @@
-"""The gateway: one WorkerPool and one Batcher per served model, behind FastAPI under Ray Serve.
+"""The gateway: FastAPI under Ray Serve, as any number of ingress replicas, each with one Batcher per served model
+in front of that model's WorkerPool, which the application's PoolKeeper owns (keeper.py).
 
 build_app(settings) -> a Serve application; `python -m ppo_logprobs.service` runs it.
 """
@@ -6,6 +7,7 @@ build_app(settings) -> a Serve application; `python -m ppo_logprobs.service` run
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
@@ -15,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from .batcher import Batcher
 from .config import Settings
 from .errors import to_response
+from .keeper import PoolKeeper
+from .loopback import keep_replica_grpc_on_loopback
 from .routes import current_gateway, router, set_gateway
 
 log = logging.getLogger(__name__)
@@ -28,78 +32,86 @@ class ServedModel:
 
 
 class GatewayMetrics:
-    """Prometheus metrics of one gateway replica, in a registry of its own."""
+    """Prometheus metrics of one ingress replica, in a registry of its own; every series carries the replica's
+    id (`replica`), so that a cluster's totals are the sums over replicas."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("ppo_logprobs_requests", "HTTP requests by status", ["status"], registry=self.registry)
-        self.tokens = Counter("ppo_logprobs_tokens", "tokens scored, by model", ["model"], registry=self.registry)
+        self.replica = replica
+        model = ["model", "replica"]
+        self.requests = Counter("ppo_logprobs_requests", "HTTP requests by status", ["status", "replica"],
+                                registry=self.registry)
+        self.tokens = Counter("ppo_logprobs_tokens", "tokens scored, by model", model, registry=self.registry)
         self.latency = Histogram(
-            "ppo_logprobs_latency_seconds", "time from queueing to results, by model", ["model"],
+            "ppo_logprobs_latency_seconds", "time from queueing to results, by model", model,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
         )
-        self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", ["model"], registry=self.registry)
-        self.calls = Gauge("ppo_logprobs_worker_calls", "worker calls started, by model", ["model"],
+        self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", model, registry=self.registry)
+        self.calls = Gauge("ppo_logprobs_worker_calls", "worker calls started, by model", model,
                            registry=self.registry)
         self.fill = Gauge(
-            "ppo_logprobs_batch_fill", "mean tokens per worker call over the batch budget", ["model"],
+            "ppo_logprobs_batch_fill", "mean tokens per worker call over the batch budget", model,
             registry=self.registry,
         )
 
     def observe(self, model: str, tokens: int, seconds: float) -> None:
-        self.tokens.labels(model=model).inc(tokens)
-        self.latency.labels(model=model).observe(seconds)
+        self.tokens.labels(model=model, replica=self.replica).inc(tokens)
+        self.latency.labels(model=model, replica=self.replica).observe(seconds)
 
     def sample(self, models: dict[str, ServedModel]) -> None:
         for name, m in models.items():
-            self.queue.labels(model=name).set(len(m.batcher.waiting))
-            self.calls.labels(model=name).set(m.batcher.calls)
+            labels = dict(model=name, replica=self.replica)
+            self.queue.labels(**labels).set(len(m.batcher.waiting))
+            self.calls.labels(**labels).set(m.batcher.calls)
             if m.batcher.calls:
-                self.fill.labels(model=name).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
+                self.fill.labels(**labels).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
+
+
+def share(total: int, replicas: int) -> int:
+    """One ingress replica's part of a per-model limit: an equal share, at least 1."""
+    return max(1, math.ceil(total / max(replicas, 1)))
 
 
 class Gateway:
-    """What the routes use: settings, the served models and the metrics."""
+    """What the routes use: settings, the served models (the keeper's pools, each with this replica's Batcher) and
+    the metrics. `replicas` is how many ingress replicas share the per-model limits."""
 
-    def __init__(self, settings: Settings) -> None:
-        from ppo_logprobs.workers import WorkerPool
-
+    def __init__(self, settings: Settings, pools: dict, *, replica: str = "local", replicas: int = 1) -> None:
         self.settings = settings
-        self.metrics = GatewayMetrics()
+        self.replica = replica
+        self.metrics = GatewayMetrics(replica)
         self.models: dict[str, ServedModel] = {}
-        load = dict(backend=settings.backend, **({"dtype": _dtype(settings.dtype)} if settings.dtype else {}))
-        for name, path in settings.models.items():
-            pool = WorkerPool.create(
-                path, settings.workers_per_model, num_gpus_per_worker=settings.gpus_per_worker,
-                max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
-                name=f"{settings.pool_name}:{name}" if settings.pool_name else None,
-                max_restarts=settings.max_restarts, **load,
-            )
+        for name, pool in pools.items():
             batcher = Batcher(
                 pool.score, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
-                max_queue=settings.max_queue, max_in_flight=settings.max_batches_in_flight,
-                timeout_s=settings.request_timeout_s,
+                max_queue=share(settings.max_queue, replicas),
+                max_in_flight=share(settings.max_batches_in_flight, replicas), timeout_s=settings.request_timeout_s,
             )
             self.models[name] = ServedModel(pool, batcher, pool.vocab_size)
-            log.info("serving %s from %s on %d workers", name, path, settings.workers_per_model)
 
     def health(self) -> dict[str, list[dict]]:
         return {name: m.pool.health(timeout=10) for name, m in self.models.items()}
 
-    def __del__(self) -> None:
-        # Serve calls this when the replica shuts down: named pools are detached and would outlive it
-        for m in getattr(self, "models", {}).values():
-            if m.pool.name:
-                m.pool.shutdown()
 
+class _Count:
+    """ASGI middleware: counts answers by status and names the replica that gave them (X-Replica). Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which costs a task and a stream per request."""
 
-def _dtype(name: str):
-    import torch
+    def __init__(self, app) -> None:
+        self.app = app
 
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype {name!r} is not a torch dtype")
-    return dtype
+    async def __call__(self, scope, receive, send) -> None:
+        gw = current_gateway()
+        if scope["type"] != "http" or gw is None:
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                gw.metrics.requests.labels(status=str(message["status"]), replica=gw.replica).inc()
+                message["headers"] = [*message.get("headers", []), (b"x-replica", gw.replica.encode())]
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def make_fastapi() -> FastAPI:
@@ -115,34 +127,34 @@ def make_fastapi() -> FastAPI:
     async def mapped(request: Request, exc: Exception):
         return to_response(exc)  # errors FastAPI raises itself (a dependency, a body it parses)
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        if (gw := current_gateway()) is not None:
-            gw.metrics.requests.labels(status=str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(_Count)
     return app
 
 
 def build_app(settings: Settings):
-    """The Serve application: one ingress replica holding every model's pool."""
+    """The Serve application: the PoolKeeper (one replica, owning every model's pool) and `ingress_replicas` HTTP
+    ingress replicas that score through those pools."""
     from ray import serve
 
     app = make_fastapi()
+    on_head = {"num_cpus": 0, "resources": settings.gateway_resources}
+    keeper = serve.deployment(PoolKeeper, name="PoolKeeper", num_replicas=1, ray_actor_options=on_head,
+                              graceful_shutdown_timeout_s=120, health_check_timeout_s=60)
 
     @serve.deployment(
-        ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
-        max_ongoing_requests=settings.max_queue * len(settings.models) + 64,
-        graceful_shutdown_timeout_s=60,
+        num_replicas=settings.ingress_replicas, ray_actor_options=on_head,
+        max_ongoing_requests=settings.max_queue * len(settings.models) + 64, graceful_shutdown_timeout_s=60,
     )
     @serve.ingress(app)
     class LogProbsIngress(Gateway):
-        def __init__(self, settings: Settings) -> None:
-            super().__init__(settings)
+        async def __init__(self, settings: Settings, keeper) -> None:
+            keep_replica_grpc_on_loopback(settings.host)
+            context = serve.get_replica_context()
+            pools = await keeper.pools.remote()
+            super().__init__(settings, pools, replica=context.replica_id.unique_id, replicas=context.world_size)
             set_gateway(self)
 
-    return LogProbsIngress.bind(settings)
+    return LogProbsIngress.bind(settings, keeper.bind(settings))
 
 
 def app_builder(args: dict):

@@ -4,7 +4,9 @@ class: `ppo-logprobs serve --help`). The API key comes from the environment or a
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
@@ -37,13 +39,24 @@ class Settings(BaseSettings):
     )
     batch_tokens: int = Field(65536, ge=1, description="tokens per worker call, joined from requests or cut from one")
     batch_wait_ms: float = Field(5.0, ge=0, description="how long a call waits for more requests")
-    max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429")
-    max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once")
+    max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429 (over all ingress "
+                           "replicas: each takes an equal share)")
+    max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once (over all ingress "
+                                       "replicas: each takes an equal share, at least 1)")
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
     backend: str = Field("auto", description="the fused head's backend: auto, triton or torch")
     gateway_resources: dict[str, float] = Field(
-        {}, description="custom Ray resources of the gateway replica (e.g. to keep it on the head)"
+        {}, description="custom Ray resources of the gateway's replicas (e.g. to keep them on the head)"
     )
+    ingress_replicas: int | None = Field(
+        None, ge=1, description="HTTP ingress replicas (each batches its own requests; the pools are shared); "
+        "default: a quarter of this host's cores, at least 1",
+    )
+    ingress: Literal["python", "haproxy"] = Field(
+        "python", description="python: Serve's proxy; haproxy: Serve's HAProxy ingress (the ppo-logprobs[haproxy] "
+        "extra; RAY_SERVE_ENABLE_HA_PROXY=1 on every node of a cluster)",
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body not read whole by then is answered 408")
     request_timeout_s: float = Field(300.0, gt=0, description="a worker call not answered by then fails with 503")
     pool_name: str | None = Field(
         "ppo_logprobs", description="pools are named '<pool_name>:<model>' (detached) for trainers' connect_pool"
@@ -68,6 +81,8 @@ class Settings(BaseSettings):
             raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
         if self.max_body_bytes is None:
             self.max_body_bytes = 16 * self.max_request_tokens + (1 << 20)
+        if self.ingress_replicas is None:
+            self.ingress_replicas = max(1, (os.cpu_count() or 1) // 4)
         return self
 
 

@@ -36,7 +36,7 @@ def current_gateway():
     return _gateway
 
 
-def gateway():
+async def gateway():
     if _gateway is None:
         raise HTTPException(503, "the gateway is starting", headers={"Retry-After": "5"})
     return _gateway
@@ -44,14 +44,15 @@ def gateway():
 
 def key_matches(authorization: str | None) -> bool:
     """No key is set, or the request carries it ('Authorization: Bearer <key>')."""
-    key = gateway().settings.api_key
+    key = _gateway.settings.api_key if _gateway is not None else None
     if key is None:
         return True
     scheme, _, token = (authorization or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.get_secret_value().encode())
 
 
-def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_key(authorization: Annotated[str | None, Header()] = None) -> None:
+    # async: FastAPI runs a plain def dependency in its thread pool, a thread hop per request
     if not key_matches(authorization):
         raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
 
@@ -67,18 +68,57 @@ def served(gw, name: str | None):
     return name, gw.models[name]
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to be over `limit` bytes (before parsing it)."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over `limit` bytes (before parsing it), and with 408
+    when it has not all arrived within `timeout_s` (a slow sender holds no scoring up for longer)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise TooLarge(f"the request body has {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise TooLarge(f"the request body is over {limit} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def receive() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise TooLarge(f"the request body is over {limit} bytes")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout_s)
+    except asyncio.TimeoutError:
+        raise HTTPException(408, f"the request body did not arrive within {timeout_s:g} s "
+                            f"({sum(map(len, chunks))} bytes came)", headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+def media_type(value: str) -> str:
+    return value.partition(";")[0].strip().lower()
+
+
+def wants_binary(accept: str) -> bool:
+    """Whether the Accept header ranks BINARY above JSON: media ranges parsed with their q, an exact type match."""
+    ranked = {}
+    for item in accept.split(","):
+        kind, *params = (p.strip() for p in item.split(";"))
+        q = 1.0
+        for p in params:
+            name, _, value = p.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        ranked[kind.lower()] = max(q, ranked.get(kind.lower(), 0.0))
+    return ranked.get(BINARY, 0.0) > 0 and ranked.get(BINARY, 0.0) >= ranked.get("application/json", 0.0)
+
+
+## NB: a body this small is parsed, checked and encoded on the event loop: a thread hop costs more than the work.
+_INLINE_BYTES = 1 << 16
+
+
+async def off_loop(inline: bool, fn, *args, **kwargs):
+    return fn(*args, **kwargs) if inline else await asyncio.to_thread(fn, *args, **kwargs)
 
 
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {
@@ -89,13 +129,17 @@ _BODY = {"requestBody": {"required": True, "content": {"application/json": {
              responses={200: {"content": {BINARY: {}}, "description": "JSON, or BINARY when the Accept header asks"}})
 async def logprobs(request: Request, gw: GatewayDep) -> Response:
     try:
+        if media_type(request.headers.get("content-type", "")) != "application/json":
+            # a web page can send text/plain, form or multipart bodies to a loopback service without asking first
+            raise HTTPException(415, "send the body as JSON with 'Content-Type: application/json'")
         settings = gw.settings
-        body = await read_body(request, settings.max_body_bytes)
-        parsed = await asyncio.to_thread(LogProbsRequest.model_validate_json, body)
+        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        inline = len(body) <= _INLINE_BYTES
+        parsed = await off_loop(inline, LogProbsRequest.model_validate_json, body)
         name, model = served(gw, parsed.model)
-        scores = await asyncio.to_thread(
-            ScoreRequest.build, parsed.input_ids, parsed.score_from, parsed.temperature, parsed.return_entropy,
-            vocab_size=model.vocab_size, max_length=settings.max_tokens_per_batch,
+        scores = await off_loop(
+            inline, ScoreRequest.build, parsed.input_ids, parsed.score_from, parsed.temperature,
+            parsed.return_entropy, vocab_size=model.vocab_size, max_length=settings.max_tokens_per_batch,
             max_tokens=settings.max_request_tokens,
         )
         start = time.perf_counter()
@@ -107,10 +151,10 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
         gw.metrics.observe(name, tokens, time.perf_counter() - start)
         header = {"model": name, "weights_version": result.weights_version,
                   "usage": {"sequences": len(scores), "tokens": tokens, "scored_tokens": int(result.offsets[-1])}}
-        binary = BINARY in request.headers.get("accept", "")
+        binary = wants_binary(request.headers.get("accept", ""))
         encode = encode_binary if binary else encode_json
         entropy = result.entropy if parsed.return_entropy else None
-        content = await asyncio.to_thread(encode, header, result.log_probs, entropy, result.offsets)
+        content = await off_loop(inline, encode, header, result.log_probs, entropy, result.offsets)
         return Response(content, media_type=BINARY if binary else "application/json",
                         headers={"X-Calls-Waited": str(waited)})
     except Exception as e:
@@ -149,12 +193,23 @@ async def healthz() -> dict:
 
 
 @router.get("/readyz")
-async def readyz(gw: GatewayDep, authorization: Annotated[str | None, Header()] = None) -> JSONResponse:
-    """Ready when every worker answers; the workers' details only with the API key (or when none is set)."""
+async def readyz(gw: GatewayDep) -> JSONResponse:
+    """Ready when every worker of every model can score the current weights; says nothing else (the workers'
+    details are at /v1/health, behind the key)."""
+    ready = _ready(await asyncio.to_thread(gw.health))
+    return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+
+@router.get("/v1/health", dependencies=Authorized)
+async def health(gw: GatewayDep) -> JSONResponse:
+    """Each worker's state (alive, weights_version, pid, node, device, row stats) and the replica that answered."""
     health = await asyncio.to_thread(gw.health)
-    ready = all(w["alive"] and w.get("weights_version") is not None for ws in health.values() for w in ws)
-    body = {"ready": ready, **({"models": health} if key_matches(authorization) else {})}
-    return JSONResponse(body, status_code=200 if ready else 503)
+    ready = _ready(health)
+    return JSONResponse({"ready": ready, "replica": gw.replica, "models": health}, status_code=200 if ready else 503)
+
+
+def _ready(health: dict[str, list[dict]]) -> bool:
+    return all(w["alive"] and w.get("weights_version") is not None for ws in health.values() for w in ws)
 
 
 @router.get("/metrics")

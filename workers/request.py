@@ -25,22 +25,27 @@ def _value(x) -> str:
     return clip(repr(x), 60)
 
 
+_INT64 = (-(2**63), 2**63)
+
+
 def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
-    """One value per sequence from a scalar or a sequence of n; RequestError naming the entry that is not `kind`."""
+    """One value per sequence from a scalar or a sequence of n; RequestError naming the entry that is not `kind`
+    (or, for int, an integer beyond int64, named as given rather than wrapped)."""
     dtype = np.int64 if kind is int else np.float64
     ok = "iu" if kind is int else "iuf"
-    if not isinstance(value, (Sequence, np.ndarray)):
-        if isinstance(value, (bool, np.bool_)) or np.asarray(value).dtype.kind not in ok:
-            raise RequestError(f"{name} = {_value(value)} must be {'an integer' if kind is int else 'a number'}")
-        return np.full(n, value, dtype=dtype)
-    if len(value) != n:
+    scalar = not isinstance(value, (Sequence, np.ndarray))
+    if not scalar and len(value) != n:
         raise RequestError(f"{name} has {len(value)} entries for {n} sequences")
     values = np.asarray(value)
-    if values.dtype.kind not in ok or values.ndim != 1:
-        for i, v in enumerate(value):
-            if isinstance(v, (bool, np.bool_)) or np.asarray(v).dtype.kind not in ok:
-                raise RequestError(f"{name}[{i}] = {_value(v)} must be {'an integer' if kind is int else 'a number'}")
-    return values.astype(dtype)
+    if values.dtype.kind not in ok or values.ndim != (0 if scalar else 1) or (kind is int and values.dtype.kind == "u"):
+        for i, v in enumerate([value] if scalar else value):
+            where = name if scalar else f"{name}[{i}]"
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer, *(() if kind is int else
+                                                                                         (float, np.floating)))):
+                raise RequestError(f"{where} = {_value(v)} must be {'an integer' if kind is int else 'a number'}")
+            if kind is int and not _INT64[0] <= int(v) < _INT64[1]:
+                raise RequestError(f"{where} = {_value(v)} is out of range")
+    return np.full(n, values, dtype=dtype) if scalar else values.astype(dtype)
 
 
 def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,7 @@ def test_workers_on_the_gpu_node_gateway_on_the_head(cluster):
                                        rtol=0, atol=1e-5)
 
     score_ok()
-    (worker,) = httpx.get(url + "/readyz", timeout=60).json()["models"]["policy"]
+    (worker,) = httpx.get(url + "/v1/health", timeout=60).json()["models"]["policy"]
     assert worker["node_id"] == worker_node.node_id != cluster.head_node.node_id
 
     cluster.remove_node(worker_node)  # the GPU node goes away
@@ -64,5 +64,5 @@ def test_workers_on_the_gpu_node_gateway_on_the_head(cluster):
     new_node = cluster.add_node(num_cpus=2, resources={"logprob_gpu": 2})  # a GPU node comes back
     wait_until(lambda: httpx.get(url + "/readyz", timeout=60).status_code == 200, what="recovery")
     score_ok()
-    (worker,) = httpx.get(url + "/readyz", timeout=60).json()["models"]["policy"]
+    (worker,) = httpx.get(url + "/v1/health", timeout=60).json()["models"]["policy"]
     assert worker["node_id"] == new_node.node_id

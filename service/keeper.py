@@ -1,0 +1,110 @@
+"""PoolKeeper: the one Serve replica of an application that owns its pools, apart from the ingress replicas.
+
+Each served model's WorkerPool (its workers and their WeightOwner) is made once for the application by the keeper
+and handed to every ingress replica (`pools()`), which then calls the workers directly. So ingress replicas come
+and go, on any node and in any number, without touching a worker. Named pools (the default) are detached actors:
+a keeper that Serve replaces (it died, or a new version of the application was deployed) attaches to the running
+pools by name instead of starting others, as long as they were made with the same settings; the pools are shut
+down once, when the application itself is deleted (or Serve shut down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import ray
+
+from .config import Settings
+from .loopback import keep_replica_grpc_on_loopback
+
+log = logging.getLogger(__name__)
+
+
+def pool_spec(settings: Settings, path: str) -> dict:
+    """What a pool is made from: a running pool with another spec is replaced, not attached to."""
+    return dict(path=path, workers=settings.workers_per_model, gpus_per_worker=settings.gpus_per_worker,
+                max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
+                max_restarts=settings.max_restarts, dtype=settings.dtype, backend=settings.backend)
+
+
+def _load_options(settings: Settings) -> dict:
+    import torch
+
+    options: dict = dict(backend=settings.backend)
+    if settings.dtype:
+        dtype = getattr(torch, settings.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype {settings.dtype!r} is not a torch dtype")
+        options["dtype"] = dtype
+    return options
+
+
+def create_or_attach(settings: Settings, model: str, path: str):
+    """The running pool of that name made with the same spec, else a new one (an old one of another spec is shut
+    down first)."""
+    from ppo_logprobs.workers import WorkerPool
+    from ppo_logprobs.workers.pool.owner import NAMESPACE
+
+    name = f"{settings.pool_name}:{model}" if settings.pool_name else None
+    spec = pool_spec(settings, path)
+    key = f"spec:{name}"
+    if name is not None:
+        try:
+            pool = WorkerPool.connect(name)
+        except ValueError:
+            pool = None
+        if pool is not None:
+            saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            if saved is not None and json.loads(saved) == spec:
+                log.info("attached to the running pool %s (version %d)", name, pool.weights_version)
+                return pool
+            log.info("the running pool %s was made with other settings: replacing it", name)
+            pool.shutdown()
+    pool = WorkerPool.create(
+        path, settings.workers_per_model, num_gpus_per_worker=settings.gpus_per_worker,
+        max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources, name=name,
+        max_restarts=settings.max_restarts, **_load_options(settings),
+    )
+    if name is not None:
+        ray.experimental.internal_kv._internal_kv_put(key, json.dumps(spec), overwrite=True, namespace=NAMESPACE)
+    log.info("serving %s from %s on %d workers", model, path, settings.workers_per_model)
+    return pool
+
+
+def _application_deleted() -> bool:
+    """Whether this replica stops because its application is being deleted (or Serve shut down), rather than
+    replaced by Serve."""
+    from ray import serve
+
+    app = serve.get_replica_context().replica_id.deployment_id.app_name
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # the controller is gone: Serve itself is shutting down, and the pools go with it
+        log.info("Serve's controller did not answer; taking the application as deleted", exc_info=True)
+        return True
+    return status is None or status.status == "DELETING"
+
+
+class PoolKeeper:
+    def __init__(self, settings: Settings) -> None:
+        keep_replica_grpc_on_loopback(settings.host)
+        self.settings = settings
+        self.models = {model: create_or_attach(settings, model, path) for model, path in settings.models.items()}
+
+    def pools(self) -> dict:
+        """{model: WorkerPool}: handles to the workers and the owner, for the ingress replicas."""
+        return self.models
+
+    async def __del__(self) -> None:
+        if not await asyncio.to_thread(_application_deleted):
+            log.info("keeper replaced: the pools keep running for the next one")
+            return
+        for model, pool in self.models.items():
+            log.info("application deleted: shutting down the pool of %s", model)
+            await asyncio.to_thread(pool.shutdown)
+            if pool.name:
+                from ppo_logprobs.workers.pool.owner import NAMESPACE
+
+                ray.experimental.internal_kv._internal_kv_del(f"spec:{pool.name}", namespace=NAMESPACE)
