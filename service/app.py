@@ -137,12 +137,13 @@ def build_app(settings: Settings):
     from ray import serve
 
     app = make_fastapi()
-    on_head = {"num_cpus": 0, "resources": settings.gateway_resources}
-    keeper = serve.deployment(PoolKeeper, name="PoolKeeper", num_replicas=1, ray_actor_options=on_head,
-                              graceful_shutdown_timeout_s=120, health_check_timeout_s=60)
+    keeper = serve.deployment(
+        PoolKeeper, name="PoolKeeper", num_replicas=1, graceful_shutdown_timeout_s=120, health_check_timeout_s=60,
+        ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
+    )
 
     @serve.deployment(
-        num_replicas=settings.ingress_replicas, ray_actor_options=on_head,
+        num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.max_queue * len(settings.models) + 64, graceful_shutdown_timeout_s=60,
     )
     @serve.ingress(app)

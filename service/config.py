@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
     backend: str = Field("auto", description="the fused head's backend: auto, triton or torch")
     gateway_resources: dict[str, float] = Field(
-        {}, description="custom Ray resources of the gateway's replicas (e.g. to keep them on the head)"
+        {}, description="custom Ray resources of the PoolKeeper replica, which owns the pools (e.g. to keep it on the "
+        "head); the ingress replicas spread over the nodes, and each node with one runs a Serve proxy"
     )
     ingress_replicas: int | None = Field(
         None, ge=1, description="HTTP ingress replicas (each batches its own requests; the pools are shared); "
