@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 
 from .config import Settings, is_loopback
@@ -32,21 +33,34 @@ def curl_example(settings: Settings) -> str:
             f"-d '{body}'")
 
 
+def haproxy_files(folder: str) -> None:
+    """HAProxy's configuration, state and admin sockets in a folder of this user's (mkdtemp: mode 0700); Serve's
+    defaults are in /tmp/haproxy-serve, where an admin socket of mode 666 lets any local user command it. The name
+    is short: a node's id (56 characters) goes below it, and HAProxy takes socket paths of at most 97."""
+    for name, file in (("CONFIG_FILE_LOC", "haproxy.cfg"), ("SOCKET_PATH", "admin.sock"), ("SERVER_STATE_BASE", ""),
+                       ("SERVER_STATE_FILE", "server-state"), ("METRICS_SOCKET_PATH", "metrics.sock")):
+        os.environ.setdefault(f"RAY_SERVE_HAPROXY_{name}", os.path.join(folder, file).rstrip("/"))
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = parse_args(argv)
-    ## NB: Ray and Serve read these when they are imported, so they are set before the imports below.
-    if is_loopback(settings.host):
+    ## NB: Ray and Serve read these when they are imported (here and in every process Ray starts), so they are set
+    # before the imports below.
+    loopback = is_loopback(settings.host)
+    if loopback:
         # a one-machine service keeps Ray's own listeners on loopback too (README: Security)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if settings.ingress == "haproxy":
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+        haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
     import ray
     from ray import serve
 
     from .app import build_app
 
-    ray.init(include_dashboard=False)
+    hook = {"worker_process_setup_hook": "ppo_logprobs.service.loopback.setup_worker"} if loopback else {}
+    ray.init(include_dashboard=False, runtime_env=hook)
     serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
     serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
     url = f"http://{settings.host}:{settings.port}"

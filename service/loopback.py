@@ -1,4 +1,4 @@
-"""A service on loopback keeps every listener of its Serve replicas on loopback.
+"""A service on loopback keeps every listener of its Serve processes on loopback.
 
 Ray Serve 2.60 starts, in every replica, a gRPC server for calls between deployments bound to all interfaces
 (`ray/serve/_private/replica.py`: `add_port_to_grpc_server(self._server, "[::]:0")`, called when the replica has
@@ -7,6 +7,11 @@ listens on loopback (one machine), every Ray node is on this machine too, so the
 replicas rebinds that server to 127.0.0.1 by wrapping the function the replica module calls. If a Ray upgrade
 renames it, `keep_replica_grpc_on_loopback` raises rather than serve with the port open, and
 tests/service/test_gateway.py checks the sockets of every service process.
+
+Serve's HAProxy ingress (`--ingress haproxy`) binds its Prometheus and statistics frontends to all interfaces too,
+from a template that `ray/serve/_private/haproxy.py` renders; `setup_worker`, a Ray worker-process setup hook that
+`ppo-logprobs serve` installs for a loopback service, puts both on 127.0.0.1 (and the replicas' gRPC servers, for
+replicas of any deployment).
 """
 
 from __future__ import annotations
@@ -42,3 +47,24 @@ def keep_replica_grpc_on_loopback(host: str) -> None:
 
     on_loopback._on_loopback = True
     replica.add_port_to_grpc_server = on_loopback
+
+
+_HAPROXY_BINDS = ("bind :{{ config.metrics_port }}", "bind *:{{ config.stats_port }}")
+
+
+def keep_haproxy_on_loopback() -> None:
+    """Serve's HAProxy configuration with its metrics and statistics frontends on 127.0.0.1."""
+    from ray.serve._private import haproxy
+
+    template = haproxy.HAPROXY_CONFIG_TEMPLATE
+    for bind in _HAPROXY_BINDS:
+        if bind not in template:
+            raise RuntimeError(f"Serve's HAProxy template has no {bind!r} (a Ray upgrade?): cannot keep it on loopback")
+        template = template.replace(bind, bind.replace(":{{", "127.0.0.1:{{").replace("*", ""))
+    haproxy.HAPROXY_CONFIG_TEMPLATE = template
+
+
+def setup_worker() -> None:
+    """Ray's worker_process_setup_hook for a loopback service: runs in every Ray worker process it starts."""
+    keep_replica_grpc_on_loopback("127.0.0.1")
+    keep_haproxy_on_loopback()
