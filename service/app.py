@@ -144,7 +144,8 @@ def build_app(settings: Settings):
 
     @serve.deployment(
         num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=settings.max_queue * len(settings.models) + 64, graceful_shutdown_timeout_s=60,
+        max_ongoing_requests=max(settings.max_open_requests, settings.max_queue * len(settings.models) + 64),
+        graceful_shutdown_timeout_s=60,
     )
     @serve.ingress(app)
     class LogProbsIngress(Gateway):

@@ -57,7 +57,11 @@ class Settings(BaseSettings):
         "python", description="python: Serve's proxy; haproxy: Serve's HAProxy ingress (the ppo-logprobs[haproxy] "
         "extra; RAY_SERVE_ENABLE_HA_PROXY=1 on every node of a cluster)",
     )
-    body_timeout_s: float = Field(30.0, gt=0, description="a request body not read whole by then is answered 408")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body not read whole by then is answered 408")
+    max_open_requests: int = Field(
+        1024, ge=1, description="requests one ingress replica holds at once, reading, queued or scored (Serve holds "
+        "more at the proxy); slow senders take these, not the scoring queue",
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="a worker call not answered by then fails with 503")
     pool_name: str | None = Field(
         "ppo_logprobs", description="pools are named '<pool_name>:<model>' (detached) for trainers' connect_pool"

@@ -33,7 +33,8 @@ def server(checkpoint):
                      pool_name="gw-small")
     big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
                    pool_name="gw-big")
-    with serving(6, {"main": main, "small": small, "big": big}) as url:
+    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-slow")
+    with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 
 
@@ -363,3 +364,37 @@ def test_graceful_shutdown_finishes_requests_in_flight(server):
 
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200, 200]
+
+
+def test_slow_senders_hold_up_no_scoring(server):
+    """80 connections that send their headers, then a byte of their body now and then (more than the 66 requests a
+    replica of this app held at once before): a normal request is answered before any of them, and each of them
+    gets a 408 once its body deadline (8 s) has passed."""
+    host, port = server.removeprefix("http://").split(":")
+    order = []
+
+    async def slow_sender():
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /slow/logprobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        answer = asyncio.create_task(reader.readline())
+        for _ in range(120):  # a byte every 0.25 s, for up to 30 s
+            await writer.drain()
+            done, _ = await asyncio.wait([answer], timeout=0.25)
+            if done:
+                break
+            writer.write(b" ")
+        order.append(("slow", answer.result() if answer.done() else b"no answer"))
+        writer.close()
+
+    async def run():
+        senders = [asyncio.create_task(slow_sender()) for _ in range(80)]
+        await asyncio.sleep(1)  # (not synchronisation: the senders are connected and dribbling by then or not)
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            r = await client.post("/slow/logprobs", json={"input_ids": [[1, 2, 3, 4]]})
+        order.append(("normal", r.status_code))
+        await asyncio.gather(*senders)
+
+    asyncio.run(run())
+    assert order[0] == ("normal", 200), order[:3]
+    assert all(kind == "slow" and b" 408 " in line for kind, line in order[1:]), order[1:4]
