@@ -1,12 +1,18 @@
-"""Requests/s and tokens/s through the HTTP gateway against calling the pool directly, same sequences.
+"""Requests/s, tokens/s and latency through the HTTP gateway, for each ingress mode and number of ingress replicas,
+beside the pool called directly with the same requests in the same run.
 
-The gateway is saturated by concurrent clients; the pool is called with the same sequences in calls of the
-gateway's batch size, which is the best the gateway could do. Both pack rows of at most --row-tokens tokens,
-so the model does the same work either way. HTTP runs once per response encoding (JSON text, and the binary
-body the Python client asks for), each reporting the bytes of its answers per scored token.
+Each ingress mode runs in a process of its own (Serve's HAProxy mode is chosen when Ray starts): Ray, Serve with a
+proxy on every node, and the gateway as `ppo-logprobs serve` would run it, with the settings a user gets unless a
+flag below says otherwise (every such option is in the JSON and the table). Then for each replica count the
+application is deployed again (the PoolKeeper attaches to the running pool: same workers) and loaded by several
+client processes, closed loop, at each request size; then at half that peak rate, open loop, for latency. Per run:
+requests/s, tokens/s, latency p50/p99, the mean tokens a worker call carried over what a full call would (fill),
+and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per request. "Direct" is the
+pool fed calls of `batch_tokens` tokens from the driver, `max_batches_in_flight` at once: what the gateway could
+at best do with the same workers.
 
-  python benchmarks/bench_gateway.py                           # CPU, the built-in tiny model
-  python benchmarks/bench_gateway.py --model /ckpt --dtype bfloat16 --requests 400
+  python benchmarks/bench_gateway.py --replicas 1 2 --requests 400          # CPU, the built-in tiny model
+  python benchmarks/bench_gateway.py --workers 4 --replicas 1 2 4 8 --ingress python haproxy --out gateway.json
 """
 
 from __future__ import annotations
@@ -14,137 +20,238 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
+import multiprocessing as mp
+import os
+import subprocess
+import sys
 import time
 
-import httpx
 import numpy as np
-import ray
-from ray import serve
-from transformers import AutoConfig
 
-from ppo_logprobs.service import Settings, build_app
-from ppo_logprobs.service.wire import BINARY
-from ppo_logprobs.workers import WorkerPool
+from ppo_logprobs.service.config import Settings
+
+DEFAULTS = Settings()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def requests_of(size: int, n: int, vocab: int, seed: int) -> list[list[list[int]]]:
+    """n requests of about `size` tokens: max(1, size // 256) sequences of lengths uniform in [0.5, 1.5] x their
+    share."""
+    g = np.random.default_rng(seed)
+    k = max(1, size // 256)
+    lo, hi = max(2, size // k // 2), max(3, 3 * size // k // 2)
+    return [[g.integers(0, vocab, g.integers(lo, hi + 1)).tolist() for _ in range(k)] for _ in range(n)]
 
 
-async def huge(url: str, vocab: int, longest: int) -> dict:
-    """The request that used to wedge the gateway, beside a small one, and the same tokens as the longest
-    sequences the workers take."""
-    g = np.random.default_rng(1)
-    short = g.integers(0, vocab, (131072, 2)).tolist()
-    long = g.integers(0, vocab, (262144 // longest, longest)).tolist()
-    async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
-        async def timed(body):
-            start = time.perf_counter()
-            r = await client.post("/logprobs", json=body)
-            r.raise_for_status()
-            return time.perf_counter() - start, r
+def client(url: str, bodies: list[bytes], connections: int, rate: float, out) -> None:
+    """One client process: sends `bodies` with `connections` at once (closed loop), or at `rate` requests/s (open
+    loop); puts (latencies, failures, answer bytes) on `out`."""
+    import httpx
 
-        out = {}
-        out["long_s"], _ = await timed({"input_ids": long, "return_entropy": False})
-        out["short_s"], _ = await timed({"input_ids": short, "return_entropy": False})
-        big = asyncio.create_task(timed({"input_ids": short, "return_entropy": False}))
-        await asyncio.sleep(0.2)
-        out["small_beside_s"], r = await timed({"input_ids": short[:4]})
-        out["small_calls_waited"] = int(r.headers["X-Calls-Waited"])
-        out["short_beside_s"], _ = await big
+    async def run():
+        latencies, failures, size = [], 0, 0
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        headers = {"Content-Type": "application/json"}
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, headers=headers) as http:
+            async def one(body):
+                nonlocal failures, size
+                start = time.perf_counter()
+                r = await http.post("/logprobs", content=body)
+                latencies.append(time.perf_counter() - start)
+                failures += r.status_code != 200
+                size += len(r.content)
+
+            if rate:
+                start, tasks = time.perf_counter(), []
+                for i, body in enumerate(bodies):
+                    await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+                    tasks.append(asyncio.create_task(one(body)))
+                await asyncio.gather(*tasks)
+            else:
+                queue = list(reversed(bodies))
+
+                async def loop():
+                    while queue:
+                        await one(queue.pop())
+
+                await asyncio.gather(*(loop() for _ in range(connections)))
+        return latencies, failures, size
+
+    out.put(asyncio.run(run()))
+
+
+def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: float = 0.0) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=client, args=(url, bodies[i::procs], max(1, connections // procs), rate / procs,
+                                                 out)) for i in range(procs)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    parts = [out.get() for _ in workers]
+    seconds = time.perf_counter() - start
+    for w in workers:
+        w.join()
+    latencies = np.concatenate([p[0] for p in parts]) * 1000
+    return dict(seconds=seconds, requests_per_s=len(bodies) / seconds, failures=sum(p[1] for p in parts),
+                p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)),
+                answer_bytes=sum(p[2] for p in parts))
+
+
+def cpu_seconds(app: str) -> dict[str, float]:
+    """CPU time so far of the application's ingress replicas and of the HTTP proxies (Serve's, or HAProxy)."""
+    import psutil
+
+    out = {"replicas": 0.0, "proxy": 0.0}
+    for p in psutil.process_iter(["cmdline", "cpu_times"]):
+        line = " ".join(p.info["cmdline"] or ())
+        kind = ("replicas" if f"ServeReplica:{app}:LogProbsIngress" in line else
+                "proxy" if "ProxyActor" in line or line.split(" ")[0].endswith("haproxy") else None)
+        if kind and p.info["cpu_times"]:
+            out[kind] += p.info["cpu_times"].user + p.info["cpu_times"].system
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--dtype")
-    parser.add_argument("--requests", type=int, default=320)
-    parser.add_argument("--sequences", type=int, default=4, help="per request")
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per pool call (both paths)")
-    parser.add_argument("--row-tokens", type=int, default=1024, help="max_tokens_per_batch of the workers")
-    parser.add_argument("--huge", action="store_true",
-                        help="also: 131,072 sequences of 2 tokens in one request, alone and beside a small request")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    backend = "torch" if args.model == "tiny" else "auto"
-    vocab = 503 if args.model == "tiny" else AutoConfig.from_pretrained(args.model).vocab_size
-    g = np.random.default_rng(0)
-    requests = [
-        [g.integers(0, vocab, g.integers(args.min_len, args.max_len + 1)).tolist() for _ in range(args.sequences)]
-        for _ in range(args.requests)
-    ]
-    tokens = sum(len(s) for r in requests for s in r)
-    ray.init(include_dashboard=False, log_to_driver=False)
-    out = dict(date=time.strftime("%Y-%m-%d"), model=args.model, requests=args.requests, tokens=tokens,
-               clients=args.clients, batch_tokens=args.batch_tokens, row_tokens=args.row_tokens)
+def worker_calls(pool) -> tuple[int, int]:
+    health = pool.health()
+    return sum(h["calls"] for h in health), sum(h["tokens"] for h in health)
 
-    # The gateway's pool is named, so the direct calls below go to the very same (warm) worker.
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    settings = Settings(models={"policy": args.model}, backend=backend, batch_tokens=args.batch_tokens,
-                        max_tokens_per_batch=args.row_tokens, max_queue=args.requests, pool_name="bench",
-                        **({"dtype": args.dtype} if args.dtype else {}))
-    serve.run(build_app(settings), name="bench", route_prefix="/")
-    pool = WorkerPool.connect("bench:policy")
 
-    async def run(accept: str) -> tuple[float, int]:
-        limits = httpx.Limits(max_connections=args.clients)
-        headers = {"Accept": accept}
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits,
-                                     headers=headers) as client:
-            sem = asyncio.Semaphore(args.clients)
-            received = 0
+def direct(pool, requests: list, settings: Settings) -> float:
+    """Tokens/s of the pool fed calls of batch_tokens tokens, max_batches_in_flight at once."""
+    from ppo_logprobs.workers.request import ScoreRequest
 
-            async def one(r):
-                nonlocal received
-                async with sem:
-                    resp = await client.post("/logprobs", json={"input_ids": r})
-                    resp.raise_for_status()
-                    received += len(resp.content)
-
-            start = time.perf_counter()
-            await asyncio.gather(*(one(r) for r in requests))
-            return time.perf_counter() - start, received
-
-    warm_s, _ = asyncio.run(run("application/json"))  # compiles whatever the worker compiles for these shapes
     flat = [s for r in requests for s in r]
     calls, call, size = [], [], 0
     for s in flat:
-        if size + len(s) > args.batch_tokens and call:
+        if size + len(s) > settings.batch_tokens and call:
             calls.append(call)
             call, size = [], 0
         call.append(s)
         size += len(s)
     calls.append(call)
+    built = [ScoreRequest.build(c, vocab_size=pool.vocab_size, max_length=pool.max_tokens_per_batch) for c in calls]
+
+    async def run():
+        slots = asyncio.Semaphore(settings.max_batches_in_flight)
+
+        async def one(request):
+            async with slots:
+                await pool.score(request)
+
+        await asyncio.gather(*(one(r) for r in built))
+
     start = time.perf_counter()
-    for c in calls:
-        pool.compute_log_probs(c)
-    direct_s = time.perf_counter() - start
-    start = time.perf_counter()
-    pool.compute_log_probs(flat)  # everything in one call: the worker packs it all at once
-    one_call_s = time.perf_counter() - start
-    out.update(warmup_http_s=warm_s, direct_tokens_per_s=tokens / direct_s,
-               direct_one_call_tokens_per_s=tokens / one_call_s)
-    scored = tokens - args.requests * args.sequences  # score_from = 1
-    for name, accept in (("json", "application/json"), ("binary", BINARY)):
-        http_s, received = asyncio.run(run(accept))
-        out[name] = dict(http_tokens_per_s=tokens / http_s, http_requests_per_s=args.requests / http_s,
-                         http_over_direct=direct_s / http_s, http_over_best_direct=min(direct_s, one_call_s) / http_s,
-                         bytes_per_scored_token=received / scored)
-    if args.huge:
-        out["huge"] = asyncio.run(huge(f"http://127.0.0.1:{port}", vocab, args.row_tokens))
+    asyncio.run(run())
+    return sum(map(len, flat)) / (time.perf_counter() - start)
+
+
+def run_mode(args) -> list[dict]:
+    """One ingress mode, in this process: every replica count and request size."""
+    if args.ingress == "haproxy":
+        os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    import ray
+    import torch
+    from ray import serve
+
+    from ppo_logprobs.service import build_app
+    from ppo_logprobs.service.__main__ import haproxy_files
+    from ppo_logprobs.workers import WorkerPool
+
+    if args.ingress == "haproxy":
+        import tempfile
+
+        haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
+    gpu = torch.cuda.is_available()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    port = args.port
+    serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": port})
+    options = dict(models={"policy": args.model}, workers_per_model=args.workers, pool_name="bench",
+                   **({"gpus_per_worker": 1 / args.workers} if gpu and args.workers > 1 else {}),
+                   **({"dtype": args.dtype} if args.dtype else {}), **({"backend": "torch"} if not gpu else {}))
+    settings = Settings(**options)
+    serve.run(build_app(settings.model_copy(update={"ingress_replicas": args.replicas[0]})), name="bench",
+              route_prefix="/")
+    pool = WorkerPool.connect("bench:policy")
+    url, rows = f"http://127.0.0.1:{port}", []
+    sizes = {size: requests_of(size, args.requests, pool.vocab_size, seed=size) for size in args.sizes}
+    bodies = {size: [json.dumps({"input_ids": r}).encode() for r in reqs] for size, reqs in sizes.items()}
+    for size, reqs in sizes.items():  # warm-up: whatever the workers compile for these shapes
+        load(url, bodies[size][: args.requests // 4], args.client_procs, args.connections)
+        direct(pool, reqs, settings)
+    base = {size: direct(pool, reqs, settings) for size, reqs in sizes.items()}
+    for replicas in args.replicas:
+        serve.run(build_app(settings.model_copy(update={"ingress_replicas": replicas})), name="bench",
+                  route_prefix="/")
+        for size, reqs in sizes.items():
+            tokens = sum(len(s) for r in reqs for s in r)
+            calls0, cpu0 = worker_calls(pool), cpu_seconds("bench")
+            peak = load(url, bodies[size], args.client_procs, args.connections)
+            calls1, cpu1 = worker_calls(pool), cpu_seconds("bench")
+            half = load(url, bodies[size][: args.requests // 2], args.client_procs, 4 * args.connections,
+                        rate=peak["requests_per_s"] / 2)
+            per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
+            rows.append(dict(
+                ingress=args.ingress, replicas=replicas, request_tokens=size, requests=len(reqs),
+                tokens_per_s=tokens / peak["seconds"], requests_per_s=peak["requests_per_s"],
+                direct_tokens_per_s=base[size], over_direct=tokens / peak["seconds"] / base[size],
+                p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
+                half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
+                tokens_per_worker_call=per_call, fill=per_call / (settings.batch_tokens / args.workers),
+                replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
+                proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs),
+            ))
+            print(json.dumps(rows[-1]), flush=True)
     serve.shutdown()
-    print(json.dumps(out), flush=True)
+    ray.shutdown()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULTS.models["policy"])
+    parser.add_argument("--dtype")
+    parser.add_argument("--workers", type=int, default=DEFAULTS.workers_per_model,
+                        help="workers in the pool (on a GPU they share it: gpus_per_worker 1/N)")
+    parser.add_argument("--ingress", nargs="+", default=[DEFAULTS.ingress], choices=["python", "haproxy"])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[DEFAULTS.ingress_replicas])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="tokens per request")
+    parser.add_argument("--requests", type=int, default=2000, help="per run")
+    parser.add_argument("--connections", type=int, default=64, help="clients' connections in all")
+    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if len(args.ingress) == 1 and os.environ.get("_BENCH_GATEWAY_CHILD"):
+        args.ingress = args.ingress[0]
+        print("ROWS " + json.dumps(run_mode(args)), flush=True)
+        return
+    rows = []
+    for mode in args.ingress:  # each mode in a process of its own
+        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--ingress", mode], capture_output=True,
+                               text=True, env={**os.environ, "_BENCH_GATEWAY_CHILD": "1"})
+        found = [line for line in child.stdout.splitlines() if line.startswith("ROWS ")]
+        if not found:
+            sys.stderr.write(child.stdout[-4000:] + child.stderr[-4000:])
+            raise SystemExit(f"the {mode} run failed")
+        rows += json.loads(found[-1][5:])
+    options = {k: v for k, v in dict(model=args.model, dtype=args.dtype, workers_per_model=args.workers).items()
+               if v != dict(model=DEFAULTS.models["policy"], dtype=DEFAULTS.dtype,
+                            workers_per_model=DEFAULTS.workers_per_model)[k]}
+    if args.workers > 1:
+        options["gpus_per_worker"] = f"1/{args.workers} on a GPU"
+    out = dict(date=time.strftime("%Y-%m-%d"), host_cpus=os.cpu_count(), non_default_options=options,
+               connections=args.connections, client_procs=args.client_procs, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    print(f"non-default options: {options or 'none'}; {args.connections} connections from {args.client_procs} "
+          f"client processes; {args.requests} requests a run")
+    print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'req/s':>7} {'tok/s':>9} {'/direct':>7} {'p99 ms':>7} "
+          f"{'p99@half':>8} {'fill':>5} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
+    for r in rows:
+        print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['requests_per_s']:>7.0f} "
+              f"{r['tokens_per_s']:>9.0f} {r['over_direct']:>7.2f} {r['p99_ms']:>7.1f} {r['half_rate_p99_ms']:>8.1f} "
+              f"{r['fill']:>5.2f} {r['replica_cpu_ms']:>10.2f} {r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
 
 
 if __name__ == "__main__":

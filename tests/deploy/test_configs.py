@@ -30,6 +30,13 @@ def test_cluster_files_pass_the_launchers_validation(name):
         validate_config(broken)
 
 
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-local.yaml"])
+def test_every_node_starts_ray_with_the_same_ingress(name):
+    config = load(name)
+    starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"] if "ray start" in c]
+    assert len(starts) == 2 and len({"RAY_SERVE_ENABLE_HA_PROXY=1" in c for c in starts}) == 1, starts
+
+
 def test_gpu_nodes_carry_the_worker_resource():
     gpu = load("cluster.yaml")["available_node_types"]["gpu"]["resources"]
     assert gpu["GPU"] == gpu["logprob_gpu"]
@@ -44,6 +51,7 @@ def test_serve_file_passes_the_deploy_schema_and_our_settings():
     assert app.import_path == "ppo_logprobs.service.app:app_builder"
     settings = Settings(**app.args)  # the args are exactly the gateway's settings
     assert settings.worker_resources == {"logprob_gpu": 1} and settings.pool_name == "ppo_logprobs"
+    assert config["proxy_location"] == "EveryNode" and settings.ingress_replicas > 1
     assert callable(app_builder)
     with pytest.raises(ValueError, match="an API key is required"):
         Settings(**{**app.args, "api_key": None})

@@ -140,7 +140,7 @@ class LogProbWorker(WeightsHolder):
         # length: rows are padded up to a few bucket lengths so that it compiles a handful of times, not per request.
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
-        self.stats = dict(rows=0, max_row_tokens=0, oom_splits=0)
+        self.stats = dict(calls=0, tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         if cuda and getattr(self.model, "tp_shard", None) is None:  # (a rank warms up once in its group)
             self._warm_up()
 
@@ -206,6 +206,8 @@ class LogProbWorker(WeightsHolder):
         if self.weights_version is None:
             raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
         lengths, scored = request.lengths, request.scored
+        self.stats["calls"] += 1
+        self.stats["tokens"] += int(request.offsets[-1])
         offsets = np.zeros(len(request) + 1, dtype=np.int64)
         np.cumsum(scored, out=offsets[1:])
         log_probs = np.empty(offsets[-1], dtype=np.float32)

@@ -32,6 +32,7 @@ def test_results_in_order_and_aligned(model, layout):
         assert r.weights_version == 0
     assert worker.stats["rows"] > 1  # several packed rows were needed
     assert 0 < worker.stats["max_row_tokens"] <= 100
+    assert worker.stats["calls"] == 1 and worker.stats["tokens"] == sum(map(len, seqs))  # what the calls carried
 
 
 def test_rows_padded_to_bucket_lengths_give_the_same_results(model):
