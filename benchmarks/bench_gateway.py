@@ -227,13 +227,17 @@ def main() -> None:
         return
     rows = []
     for mode in args.ingress:  # each mode in a process of its own
-        child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--ingress", mode], capture_output=True,
-                               text=True, env={**os.environ, "_BENCH_GATEWAY_CHILD": "1"})
-        found = [line for line in child.stdout.splitlines() if line.startswith("ROWS ")]
-        if not found:
-            sys.stderr.write(child.stdout[-4000:] + child.stderr[-4000:])
+        child = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--ingress", mode], text=True,
+                                 stdout=subprocess.PIPE, env={**os.environ, "_BENCH_GATEWAY_CHILD": "1"})
+        found = None
+        for line in child.stdout:  # each run's row as it ends
+            if line.startswith("ROWS "):
+                found = json.loads(line[5:])
+            elif line.startswith("{"):
+                print(line, end="", flush=True)
+        if child.wait() or found is None:
             raise SystemExit(f"the {mode} run failed")
-        rows += json.loads(found[-1][5:])
+        rows += found
     options = {k: v for k, v in dict(model=args.model, dtype=args.dtype, workers_per_model=args.workers).items()
                if v != dict(model=DEFAULTS.models["policy"], dtype=DEFAULTS.dtype,
                             workers_per_model=DEFAULTS.workers_per_model)[k]}
