@@ -42,38 +42,66 @@ def requests_of(size: int, n: int, vocab: int, seed: int) -> list[list[list[int]
     return [[g.integers(0, vocab, g.integers(lo, hi + 1)).tolist() for _ in range(k)] for _ in range(n)]
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection writing requests and reading answers by hand: a load generator in
+    Python that costs a small part of what an HTTP library does per request, so that the clients are not the
+    limit being measured."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def post(self, path: bytes, body: bytes) -> tuple[int, int]:
+        """(status, answer bytes)."""
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
+        status = int((await self.reader.readline()).split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return status, len(await self.reader.readexactly(length))
+
+
 def client(url: str, bodies: list[bytes], connections: int, rate: float, out) -> None:
     """One client process: sends `bodies` with `connections` at once (closed loop), or at `rate` requests/s (open
-    loop); puts (latencies, failures, answer bytes) on `out`."""
-    import httpx
+    loop, opening connections as needed); puts (latencies, failures, answer bytes) on `out`."""
+    host, port = url.removeprefix("http://").split(":")
 
     async def run():
         latencies, failures, size = [], 0, 0
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        headers = {"Content-Type": "application/json"}
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, headers=headers) as http:
-            async def one(body):
-                nonlocal failures, size
-                start = time.perf_counter()
-                r = await http.post("/logprobs", content=body)
-                latencies.append(time.perf_counter() - start)
-                failures += r.status_code != 200
-                size += len(r.content)
+        idle = [await Connection.open(host, int(port)) for _ in range(connections)]
 
-            if rate:
-                start, tasks = time.perf_counter(), []
-                for i, body in enumerate(bodies):
-                    await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-                    tasks.append(asyncio.create_task(one(body)))
-                await asyncio.gather(*tasks)
-            else:
-                queue = list(reversed(bodies))
+        async def one(body, connection=None):
+            nonlocal failures, size
+            connection = connection or (idle.pop() if idle else await Connection.open(host, int(port)))
+            start = time.perf_counter()
+            status, received = await connection.post(b"/logprobs", body)
+            latencies.append(time.perf_counter() - start)
+            failures += status != 200
+            size += received
+            idle.append(connection)
 
-                async def loop():
-                    while queue:
-                        await one(queue.pop())
+        if rate:
+            start, tasks = time.perf_counter(), []
+            for i, body in enumerate(bodies):
+                await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(body)))
+            await asyncio.gather(*tasks)
+        else:
+            queue = list(reversed(bodies))
 
-                await asyncio.gather(*(loop() for _ in range(connections)))
+            async def loop(connection):
+                while queue:
+                    await one(queue.pop(), connection)
+
+            await asyncio.gather(*(loop(idle.pop()) for _ in range(connections)))
+        for c in idle:
+            c.writer.close()
         return latencies, failures, size
 
     out.put(asyncio.run(run()))

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The request path at cluster scale on one GPU host (issue 19): bench_gateway.py with the tiny model (several
 # workers sharing the GPU, so that the workers are not the limit) and with a random Qwen2.5-1.5B-shaped checkpoint,
-# each ingress mode at 1, 2, 4 and 8 ingress replicas. MODELS picks "tiny", "q15" or both (default both). Logs and
+# each ingress mode at 1, 2, 4 and 8 ingress replicas. MODELS picks "tiny", "q15" or both (default both), INGRESS the
+# modes (default both), REPLICAS the replica counts (default 1 2 4 8). Logs and
 # JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")"
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-COMMON="--ingress python haproxy --replicas 1 2 4 8 --sizes 64 1024 --connections 128 --client-procs 6"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; INGRESS=${INGRESS:-python haproxy}
+COMMON="--ingress $INGRESS --replicas ${REPLICAS:-1 2 4 8} --sizes 64 1024 --connections ${CONNECTIONS:-128} --client-procs 6"
 for m in ${MODELS:-tiny q15}; do
   if [[ $m == tiny ]]; then
-    timeout 560 python3 bench_gateway.py $COMMON --workers 4 --requests ${REQUESTS:-1200} \
-      --out "$OUT/gateway_tiny.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_tiny.log" | tail -25
+    timeout ${TINY_S:-560} python3 bench_gateway.py $COMMON --workers 4 --requests ${REQUESTS:-1200} \
+      --out "$OUT/gateway_tiny_${INGRESS// /_}.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_tiny_${INGRESS// /_}.log" | tail -25
   else
     [[ -d /tmp/q15 ]] || python3 -c "
 import torch; from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -19,7 +20,7 @@ cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
 with torch.device('cuda'): model = Qwen2ForCausalLM(cfg)
 model.save_pretrained('/tmp/q15')"
-    timeout 560 python3 bench_gateway.py $COMMON --model /tmp/q15 --dtype bfloat16 --requests ${REQUESTS:-800} \
-      --out "$OUT/gateway_q15.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_q15.log" | tail -25
+    timeout ${Q15_S:-560} python3 bench_gateway.py $COMMON --model /tmp/q15 --dtype bfloat16 --requests ${REQUESTS:-800} \
+      --out "$OUT/gateway_q15_${INGRESS// /_}.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_q15_${INGRESS// /_}.log" | tail -25
   fi
 done
