@@ -55,16 +55,24 @@ class Connection:
         return cls(*await asyncio.open_connection(host, port))
 
     async def post(self, path: bytes, body: bytes) -> tuple[int, int]:
-        """(status, answer bytes)."""
-        self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
-        status = int((await self.reader.readline()).split()[1])
-        length = 0
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        return status, len(await self.reader.readexactly(length))
+        """(status, answer bytes); status 0 when the connection broke (it is opened again for the next request)."""
+        try:
+            self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
+            status = int((await self.reader.readline()).split()[1])
+            length, close = 0, False
+            while (line := await self.reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                length = int(value) if name == b"content-length" else length
+                close |= name == b"connection" and value.strip().lower() == b"close"
+            size = len(await self.reader.readexactly(length))
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+            status, size, close = 0, 0, True
+        if close:
+            self.writer.close()
+            self.reader, self.writer = await asyncio.open_connection(*self.writer.get_extra_info("peername")[:2])
+        return status, size
 
 
 def client(url: str, bodies: list[bytes], connections: int, rate: float, out) -> None:
@@ -104,7 +112,11 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out) ->
             c.writer.close()
         return latencies, failures, size
 
-    out.put(asyncio.run(run()))
+    try:
+        out.put(asyncio.run(run()))
+    except BaseException as e:  # the parent waits for every client's answer
+        out.put(([], len(bodies), 0))
+        raise e
 
 
 def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: float = 0.0) -> dict:
@@ -115,7 +127,7 @@ def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: floa
     start = time.perf_counter()
     for w in workers:
         w.start()
-    parts = [out.get() for _ in workers]
+    parts = [out.get(timeout=600) for _ in workers]
     seconds = time.perf_counter() - start
     for w in workers:
         w.join()
