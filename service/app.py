@@ -144,12 +144,13 @@ def build_app(settings: Settings):
 
     import ray
 
-    # spread evenly over the nodes alive now, so that each runs a proxy (Serve starts one where a replica is)
-    nodes = max(1, sum(1 for n in ray.nodes() if n["Alive"])) if ray.is_initialized() else 1
+    # on a cluster, spread evenly over the nodes alive now, so that each runs a proxy (Serve starts one where a
+    # replica is)
+    nodes = sum(1 for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else 1
+    spread = {"max_replicas_per_node": math.ceil(settings.ingress_replicas / nodes)} if nodes > 1 else {}
 
     @serve.deployment(
-        num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0},
-        max_replicas_per_node=math.ceil(settings.ingress_replicas / nodes),
+        num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0}, **spread,
         max_ongoing_requests=max(settings.max_open_requests, settings.max_queue * len(settings.models) + 64),
         graceful_shutdown_timeout_s=60,
     )
