@@ -20,7 +20,7 @@ lint: install
 test: lint
 	$(PY) -m pytest tests
 
-# the gateway on the built-in tiny model, on 127.0.0.1:8000; Ray kept on loopback but for one listener (README: Security)
+# the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
 serve: install
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
 
