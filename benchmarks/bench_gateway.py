@@ -3,8 +3,9 @@ beside the pool called directly with the same requests in the same run.
 
 Each ingress mode runs in a process of its own (Serve's HAProxy mode is chosen when Ray starts): Ray, Serve with a
 proxy on every node, and the gateway as `ppo-logprobs serve` would run it, with the settings a user gets unless a
-flag below says otherwise (every such option is in the JSON and the table). Then for each replica count the
-application is deployed again (the PoolKeeper attaches to the running pool: same workers) and loaded by several
+flag below says otherwise (every such option is in the JSON and the table). Each replica count is an application of
+its own (`/r<N>/logprobs`), all deployed up front over the same named pool (their PoolKeepers attach to it: same
+workers), so that no redeploy is timed; one at a time is loaded by several
 client processes, closed loop, at each request size; then at half that peak rate, open loop, for latency. Per run:
 requests/s, tokens/s, latency p50/p99, the mean tokens a worker call carried over what a full call would (fill),
 and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per request. "Direct" is the
@@ -31,6 +32,7 @@ import numpy as np
 from ppo_logprobs.service.config import Settings
 
 DEFAULTS = Settings()
+TIMEOUT_S = 60.0  # a request not answered by then is a failure (the benchmark never hangs on one)
 
 
 def requests_of(size: int, n: int, vocab: int, seed: int) -> list[list[list[int]]]:
@@ -47,48 +49,64 @@ class Connection:
     Python that costs a small part of what an HTTP library does per request, so that the clients are not the
     limit being measured."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self, address: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.address, self.reader, self.writer = address, reader, writer
 
     @classmethod
     async def open(cls, host: str, port: int) -> Connection:
-        return cls(*await asyncio.open_connection(host, port))
+        return cls((host, port), *await asyncio.open_connection(host, port))
 
     async def post(self, path: bytes, body: bytes) -> tuple[int, int]:
-        """(status, answer bytes); status 0 when the connection broke (it is opened again for the next request)."""
+        """(status, answer bytes); status 0 when the connection broke or no answer came in TIMEOUT_S (it is opened
+        again for the next request)."""
         try:
-            self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                              b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
-            status = int((await self.reader.readline()).split()[1])
-            length, close = 0, False
-            while (line := await self.reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                length = int(value) if name == b"content-length" else length
-                close |= name == b"connection" and value.strip().lower() == b"close"
-            size = len(await self.reader.readexactly(length))
-        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
-            status, size, close = 0, 0, True
+            async with asyncio.timeout(TIMEOUT_S):
+                return await self._post(path, body)
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError, TimeoutError):
+            await self.reopen()
+            return 0, 0
+
+    async def _post(self, path: bytes, body: bytes) -> tuple[int, int]:
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
+        status = int((await self.reader.readline()).split()[1])
+        length, close = None, False
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            length = int(value) if name == b"content-length" else length
+            close |= name == b"connection" and value.strip().lower() == b"close"
+        if length is None:
+            raise ValueError("an answer without Content-Length")
+        size = len(await self.reader.readexactly(length))
         if close:
-            self.writer.close()
-            self.reader, self.writer = await asyncio.open_connection(*self.writer.get_extra_info("peername")[:2])
+            await self.reopen()
         return status, size
 
+    async def reopen(self) -> None:
+        self.writer.close()
+        self.reader, self.writer = await asyncio.open_connection(*self.address)
 
-def client(url: str, bodies: list[bytes], connections: int, rate: float, out) -> None:
-    """One client process: sends `bodies` with `connections` at once (closed loop), or at `rate` requests/s (open
-    loop, opening connections as needed); puts (latencies, failures, answer bytes) on `out`."""
-    host, port = url.removeprefix("http://").split(":")
+
+def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go) -> None:
+    """One client process: opens its connections, says so on `out` and waits for `go`; then sends `bodies` with
+    `connections` at once (closed loop), or at `rate` requests/s (open loop, opening connections as needed); puts
+    (latencies, failures, answer bytes) on `out`."""
+    address, _, prefix = url.removeprefix("http://").partition("/")
+    host, port = address.split(":")
+    path = f"/{prefix}/logprobs".replace("//", "/").encode()
 
     async def run():
         latencies, failures, size = [], 0, 0
         idle = [await Connection.open(host, int(port)) for _ in range(connections)]
+        out.put("ready")
+        await asyncio.to_thread(go.wait)
 
         async def one(body, connection=None):
             nonlocal failures, size
             connection = connection or (idle.pop() if idle else await Connection.open(host, int(port)))
             start = time.perf_counter()
-            status, received = await connection.post(b"/logprobs", body)
+            status, received = await connection.post(path, body)
             latencies.append(time.perf_counter() - start)
             failures += status != 200
             size += received
@@ -121,13 +139,17 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out) ->
 
 def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: float = 0.0) -> dict:
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out, go = ctx.Queue(), ctx.Event()
     workers = [ctx.Process(target=client, args=(url, bodies[i::procs], max(1, connections // procs), rate / procs,
-                                                 out)) for i in range(procs)]
-    start = time.perf_counter()
+                                                 out, go)) for i in range(procs)]
     for w in workers:
         w.start()
-    parts = [out.get(timeout=600) for _ in workers]
+    for _ in workers:  # the clock starts once every client process is up with its connections open
+        if out.get(timeout=120) != "ready":
+            raise RuntimeError("a client process failed before it was ready")
+    start = time.perf_counter()
+    go.set()
+    parts = [out.get(timeout=TIMEOUT_S * len(bodies)) for _ in workers]
     seconds = time.perf_counter() - start
     for w in workers:
         w.join()
@@ -135,6 +157,10 @@ def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: floa
     return dict(seconds=seconds, requests_per_s=len(bodies) / seconds, failures=sum(p[1] for p in parts),
                 p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)),
                 answer_bytes=sum(p[2] for p in parts))
+
+
+def note(what: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def cpu_seconds(app: str) -> dict[str, float]:
@@ -202,32 +228,37 @@ def run_mode(args) -> list[dict]:
 
         haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
     gpu = torch.cuda.is_available()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = args.port
-    serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": port})
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,  # Ray on loopback, as the service runs
+             runtime_env={"worker_process_setup_hook": "ppo_logprobs.service.loopback.setup_worker"})
+    url = f"http://127.0.0.1:{args.port}"
+    serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": args.port})
     options = dict(models={"policy": args.model}, workers_per_model=args.workers, pool_name="bench",
                    **({"gpus_per_worker": 1 / args.workers} if gpu and args.workers > 1 else {}),
                    **({"dtype": args.dtype} if args.dtype else {}), **({"backend": "torch"} if not gpu else {}))
     settings = Settings(**options)
-    serve.run(build_app(settings.model_copy(update={"ingress_replicas": args.replicas[0]})), name="bench",
-              route_prefix="/")
+    apps = {}
+    for replicas in args.replicas:  # the first makes the pool, the others attach to it
+        apps[replicas] = f"r{replicas}"
+        serve.run(build_app(settings.model_copy(update={"ingress_replicas": replicas})), name=apps[replicas],
+                  route_prefix=f"/r{replicas}")
+        note(f"deployed {apps[replicas]}")
     pool = WorkerPool.connect("bench:policy")
-    url, rows = f"http://127.0.0.1:{port}", []
+    rows = []
     sizes = {size: requests_of(size, args.requests, pool.vocab_size, seed=size) for size in args.sizes}
     bodies = {size: [json.dumps({"input_ids": r}).encode() for r in reqs] for size, reqs in sizes.items()}
     for size, reqs in sizes.items():  # warm-up: whatever the workers compile for these shapes
-        load(url, bodies[size][: args.requests // 4], args.client_procs, args.connections)
+        warm = load(f"{url}/r{args.replicas[0]}", bodies[size][: args.requests // 4], args.client_procs,
+                    args.connections)
         direct(pool, reqs, settings)
+        note(f"warmed up {size} tokens a request: {warm['requests_per_s']:.0f} requests/s, {warm['failures']} failed")
     base = {size: direct(pool, reqs, settings) for size, reqs in sizes.items()}
-    for replicas in args.replicas:
-        serve.run(build_app(settings.model_copy(update={"ingress_replicas": replicas})), name="bench",
-                  route_prefix="/")
+    for replicas, app in apps.items():
         for size, reqs in sizes.items():
             tokens = sum(len(s) for r in reqs for s in r)
-            calls0, cpu0 = worker_calls(pool), cpu_seconds("bench")
-            peak = load(url, bodies[size], args.client_procs, args.connections)
-            calls1, cpu1 = worker_calls(pool), cpu_seconds("bench")
-            half = load(url, bodies[size][: args.requests // 2], args.client_procs, 4 * args.connections,
+            calls0, cpu0 = worker_calls(pool), cpu_seconds(app)
+            peak = load(f"{url}/{app}", bodies[size], args.client_procs, args.connections)
+            calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
+            half = load(f"{url}/{app}", bodies[size][: args.requests // 2], args.client_procs, 4 * args.connections,
                         rate=peak["requests_per_s"] / 2)
             per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
             rows.append(dict(
@@ -241,8 +272,7 @@ def run_mode(args) -> list[dict]:
                 proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs),
             ))
             print(json.dumps(rows[-1]), flush=True)
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # the Ray this process started, with everything in it (Serve's own shutdown drains for 30 s or more)
     return rows
 
 

@@ -2,12 +2,12 @@
 # The request path at cluster scale on one GPU host (issue 19): bench_gateway.py with the tiny model (several
 # workers sharing the GPU, so that the workers are not the limit) and with a random Qwen2.5-1.5B-shaped checkpoint,
 # each ingress mode at 1, 2, 4 and 8 ingress replicas. MODELS picks "tiny", "q15" or both (default both), INGRESS the
-# modes (default both), REPLICAS the replica counts (default 1 2 4 8). Logs and
-# JSON go to $OUT.
+# modes (default both), REPLICAS the replica counts (default 1 2 4 8), CONNECTIONS the clients' connections in all.
+# Logs and JSON go to $OUT; progress (deploys, warm-ups) to stderr.
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; INGRESS=${INGRESS:-python haproxy}
-COMMON="--ingress $INGRESS --replicas ${REPLICAS:-1 2 4 8} --sizes 64 1024 --connections ${CONNECTIONS:-128} --client-procs 6"
+COMMON="--ingress $INGRESS --replicas ${REPLICAS:-1 2 4 8} --sizes 64 1024 --connections ${CONNECTIONS:-192} --client-procs 6"
 for m in ${MODELS:-tiny q15}; do
   if [[ $m == tiny ]]; then
     timeout ${TINY_S:-560} python3 bench_gateway.py $COMMON --workers 4 --requests ${TINY_REQUESTS:-1200} \
