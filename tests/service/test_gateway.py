@@ -29,11 +29,12 @@ def server(checkpoint):
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
                     pool_name="gw-main",
                     max_tokens_per_batch=512)
+    # small, big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first)
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret",
-                     pool_name="gw-small")
+                     pool_name="gw-aux")
     big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
-                   pool_name="gw-big")
-    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-slow")
+                   pool_name="gw-aux")
+    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-aux")
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 

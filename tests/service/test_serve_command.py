@@ -25,7 +25,9 @@ KEY = {"Authorization": "Bearer s3cret"}
 @pytest.fixture(scope="module", params=["haproxy"])
 def served(request, tmp_path_factory):
     port = free_port()
-    env = {**os.environ, "PPO_LOGPROBS_API_KEY": "s3cret", "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PPO_LOGPROBS_API_KEY": "s3cret", "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1",
+           # the stop at the end need not hold each replica open 30 s for load balancers to deregister it
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
