@@ -29,12 +29,13 @@ def server(checkpoint):
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
                     pool_name="gw-main",
                     max_tokens_per_batch=512)
-    # small, big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first)
+    # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first); small
+    # has its own, since a test deletes that application, which shuts its pool down
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret",
-                     pool_name="gw-aux")
+                     pool_name="gw-small")
     big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
-                   pool_name="gw-aux")
-    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-aux")
+                   pool_name="gw-big")
+    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big")
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 
@@ -372,7 +373,7 @@ def test_slow_senders_hold_up_no_scoring(server):
     replica of this app held at once before): a normal request is answered before any of them, and each of them
     gets a 408 once its body deadline (8 s) has passed."""
     host, port = server.removeprefix("http://").split(":")
-    order = []
+    order, detail = [], []
 
     async def slow_sender():
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -394,8 +395,9 @@ def test_slow_senders_hold_up_no_scoring(server):
         async with httpx.AsyncClient(base_url=server, timeout=60) as client:
             r = await client.post("/slow/logprobs", json={"input_ids": [[1, 2, 3, 4]]})
         order.append(("normal", r.status_code))
+        detail.append(r.text)
         await asyncio.gather(*senders)
 
     asyncio.run(run())
-    assert order[0] == ("normal", 200), order[:3]
+    assert order[0] == ("normal", 200), (order[:3], detail)
     assert all(kind == "slow" and b" 408 " in line for kind, line in order[1:]), order[1:4]
