@@ -2,7 +2,9 @@
 answer's results are those of its version's weights."""
 
 import asyncio
+import os
 import re
+import struct
 import threading
 import time
 from pathlib import Path
@@ -63,6 +65,11 @@ def refusals(root):
     (root / "garbage").mkdir(exist_ok=True)
     (root / "garbage" / "model.safetensors").write_bytes(b"\x00" * 64)
     (root / "empty").mkdir(exist_ok=True)
+    (root / "fifo").mkdir(exist_ok=True)
+    if not (root / "fifo" / "model.safetensors").exists():
+        os.mkfifo(root / "fifo" / "model.safetensors")  # a reader that opened it would wait for a writer forever
+    (root / "deep").mkdir(exist_ok=True)
+    (root / "deep" / "model.safetensors").write_bytes(struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000)
     return [
         (save(perturbed(80, vocab_size=600), root / "vocab"), 409, "has shape [600, 64] in the checkpoint"),
         (save(perturbed(81, num_hidden_layers=3), root / "layers"), 409, "the checkpoint has 3 layers, the model 2"),
@@ -75,6 +82,8 @@ def refusals(root):
         (str(root / "truncated"), 422, "is truncated"),
         (str(root / "garbage"), 422, "has a malformed safetensors header"),
         (str(root / "empty"), 422, "has no *.safetensors weights"),
+        (str(root / "fifo"), 422, "model.safetensors is not a regular file (a FIFO)"),
+        (str(root / "deep"), 422, "has a malformed safetensors header"),
     ]
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import queue
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER = 100 << 20
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 READ_THREADS = 8
 CHUNK_BYTES = 64 << 20
 
@@ -40,9 +43,21 @@ class TensorSpec:
     end: int
 
 
+def _open_regular(file: str | Path) -> int:
+    """A descriptor of `file` for reading, opened without blocking (a FIFO's open would wait for a writer) and
+    refused unless it is a regular file (a FIFO, device or socket named like a shard could hold the reader forever)."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InvalidCheckpoint(f"{Path(file).name} is not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'special')})")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def _read_header(file: Path) -> dict[str, TensorSpec]:
-    size = file.stat().st_size
-    with open(file, "rb") as f:
+    with open(_open_regular(file), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise InvalidCheckpoint(f"{file.name} is truncated: {size} bytes, not even a safetensors header")
@@ -51,7 +66,7 @@ def _read_header(file: Path) -> dict[str, TensorSpec]:
             raise InvalidCheckpoint(f"{file.name} is not a safetensors file or is truncated (header of {n} bytes)")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # (nested deeper than Python's stack)
             raise InvalidCheckpoint(f"{file.name} has a malformed safetensors header") from None
     if not isinstance(header, dict):
         raise InvalidCheckpoint(f"{file.name} has a malformed safetensors header")
@@ -162,7 +177,7 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
     index, layout, parts = check_checkpoint(model, path)
     device = next(model.parameters()).device
     staged = StagedWeights(layout, device)
-    fds = {file: os.open(file, os.O_RDONLY) for file in {index[parts[e.name][0]].file for e in layout.entries}}
+    fds = {file: _open_regular(file) for file in {index[parts[e.name][0]].file for e in layout.entries}}
     try:
         # (fd, file offset, bytes, source dtype, destination, columns): the destination is a flat slice of the
         # staged tensor, or rows of it when `columns` (the source's row length, the part's first column) is given

@@ -1,6 +1,7 @@
 """Checkpoints read into staging: refusals before any data is read, exact bytes, dtype conversion, shards, ties."""
 
 import json
+import os
 import struct
 
 import pytest
@@ -73,6 +74,14 @@ def write(path, data: bytes):
     return str(path.parent)
 
 
+def special(path, make):
+    """A checkpoint directory whose shard is not a regular file (made by `make`, e.g. os.mkfifo): reading it must
+    not block, and must be refused."""
+    path.parent.mkdir()
+    make(path)
+    return str(path.parent)
+
+
 def test_unreadable_checkpoints_are_refused_naming_the_problem(tmp_path):
     good = save(perturbed(4), tmp_path / "good")
     shard = next((tmp_path / "good").glob("*.safetensors"))
@@ -93,6 +102,12 @@ def test_unreadable_checkpoints_are_refused_naming_the_problem(tmp_path):
          r"tensor 'x' has 8 bytes for shape \[3\]"),
         (write(tmp_path / "dtype" / "a.safetensors", _header("C64", [], 8)), InvalidCheckpoint,
          "malformed or unsupported entry"),
+        (write(tmp_path / "deep" / "a.safetensors", struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000),
+         InvalidCheckpoint, "malformed safetensors header"),
+        (special(tmp_path / "fifo" / shard.name, os.mkfifo), InvalidCheckpoint,
+         f"{shard.name} is not a regular file \\(a FIFO\\)"),
+        (special(tmp_path / "dir" / shard.name, os.mkdir), InvalidCheckpoint,
+         "is not a regular file \\(a directory\\)"),
     ]
     model = load_model("tiny")
     before = {n: p.clone() for n, p in params(model).items()}
