@@ -198,9 +198,11 @@ class LogProbClient(_Base):
             raise _mixed_versions(answers)
         return _results(answers)
 
-    def reload(self, model: str, path: str) -> ModelInfo:
-        """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info."""
-        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", {"path": path}, retry=False))
+    def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
+        """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info. Weights
+        holding NaN or infinite values are refused (LogProbError, status 409) unless `allow_non_finite`."""
+        body = {"path": path, "allow_non_finite": allow_non_finite}
+        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", body, retry=False))
 
     def ready(self) -> bool:
         """Models loaded and every worker up (GET /readyz)."""
@@ -266,8 +268,9 @@ class AsyncLogProbClient(_Base):
             raise _mixed_versions(answers)
         return _results(answers)
 
-    async def reload(self, model: str, path: str) -> ModelInfo:
-        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", {"path": path}, retry=False)))
+    async def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
+        body = {"path": path, "allow_non_finite": allow_non_finite}
+        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", body, retry=False)))
 
     async def ready(self) -> bool:
         return (await self._http.get("/readyz")).status_code == 200

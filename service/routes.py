@@ -177,11 +177,12 @@ async def list_models(gw: GatewayDep) -> ModelList:
 @router.post("/v1/models/{name}/reload", response_model=ModelInfo, dependencies=Authorized)
 async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo | JSONResponse:
     """Every worker reads the checkpoint; it lands on all of them or on none (404: no such directory, 422: not a
-    usable checkpoint, 409: it does not fit the served model). Requests in flight keep the version they started
+    usable checkpoint, 409: it does not fit the served model, or holds NaN or infinite values unless
+    allow_non_finite). Requests in flight keep the version they started
     with; concurrent reloads (and trainers' updates) are applied one after another, each with its own version."""
     try:
         name, model = served(gw, name)
-        version = await asyncio.to_thread(model.pool.update_weights, body.path)
+        version = await asyncio.to_thread(model.pool.update_weights, body.path, allow_non_finite=body.allow_non_finite)
         return model_info(gw, name, version)
     except Exception as e:
         return to_response(e)

@@ -53,6 +53,8 @@ class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(..., min_length=1, max_length=4096, description="a checkpoint directory readable by the workers")
+    allow_non_finite: bool = Field(False, description="take weights holding NaN or infinite values (refused with 409 "
+                                   "otherwise)")
 
 
 class ErrorResponse(BaseModel):

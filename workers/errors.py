@@ -33,6 +33,15 @@ class IncompatibleWeights(BadWeights):
     """Names, shapes or dtypes that do not fit the served model (another vocabulary, layer count, hidden size)."""
 
 
+class NonFiniteWeights(IncompatibleWeights):
+    """An update holding NaN or infinite values (a diverged trainer): refused unless the caller allows them."""
+
+
+def non_finite(name: str) -> NonFiniteWeights:
+    return NonFiniteWeights(f"{name!r} holds NaN or infinite values: the update was refused and every worker kept "
+                            "its weights (allow_non_finite=True takes such weights)")
+
+
 class UpdateFailed(RuntimeError):
     """A weight update did not land (the sender died mid-stream, a worker failed): every worker kept its weights
     and version."""

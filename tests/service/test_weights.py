@@ -167,10 +167,18 @@ def test_a_trainer_updating_beside_gateway_reloads(server, checkpoints):
 
 
 def test_weights_that_give_non_finite_results_answer_500_with_an_id_in_the_log(server, tmp_path):
+    """A checkpoint with a NaN is refused (409 naming the tensor, nothing changed) unless allowed; allowed, its
+    non-finite results are a 500 whose id is in the log."""
     broken = perturbed(99)
     with torch.no_grad():
         broken.lm_head.weight[7, 0] = float("nan")
-    assert httpx.post(server + "/v1/models/policy/reload", json={"path": save(broken, tmp_path / "nan")},
+    path = save(broken, tmp_path / "nan")
+    before = score(server)
+    refused = httpx.post(server + "/v1/models/policy/reload", json={"path": path}, timeout=120)
+    assert refused.status_code == 409, refused.text
+    assert re.search(r"'(lm_head|model\.embed_tokens)\.weight' holds NaN or infinite values", refused.json()["detail"])
+    assert score(server) == before  # the same version, the same bits
+    assert httpx.post(server + "/v1/models/policy/reload", json={"path": path, "allow_non_finite": True},
                       timeout=120).status_code == 200
     r = httpx.post(server + "/logprobs", json={"input_ids": SEQS}, timeout=120)
     assert r.status_code == 500, r.text

@@ -19,7 +19,7 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause
+from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause, non_finite
 from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
@@ -88,11 +88,17 @@ class WeightOwner:
             self.source = {**self.source, "keep": path}
             self._save()
 
-    async def _land(self, staging: list, version: int, source: dict) -> int:
-        """Waits for every worker's staging call; commits everywhere if all succeeded, else aborts everywhere and
-        raises the first failure (a BadWeights before any other)."""
+    async def _land(self, staging: list, version: int, source: dict, allow_non_finite: bool = False) -> int:
+        """Waits for every worker's staging call; commits everywhere if all succeeded and (unless allowed) every
+        staged tensor is finite, else aborts everywhere and raises the first failure (a BadWeights before any
+        other)."""
         outcomes = await asyncio.gather(*staging, return_exceptions=True)
         errors = [_update_error(e) for e in outcomes if isinstance(e, BaseException)]
+        if not errors and not allow_non_finite:
+            checks = await asyncio.gather(*(w.check_staged.remote(version) for w in self.workers),
+                                          return_exceptions=True)
+            errors = [_update_error(e) for e in checks if isinstance(e, BaseException)]
+            errors += [non_finite(name) for name in checks if isinstance(name, str)][:1]
         if errors:
             await asyncio.gather(*(w.abort.remote(version) for w in self.workers), return_exceptions=True)
             raise next((e for e in errors if isinstance(e, BadWeights)), errors[0])
@@ -104,11 +110,11 @@ class WeightOwner:
                 log.warning("worker %d did not commit version %d: %s", i, version, cause(outcome))
         return version
 
-    async def update_from_path(self, path: str) -> int:
+    async def update_from_path(self, path: str, allow_non_finite: bool = False) -> int:
         async with self.lock:
             version = self.version + 1  # updates are serialised: the next one, unless this one fails
             return await self._land([w.stage_checkpoint.remote(path, version) for w in self._pool()], version,
-                                    {"path": path})
+                                    {"path": path}, allow_non_finite)
 
     async def open_group(self, spec) -> None:
         """Every worker joins a sender's group (ranks 1..n, in worker order; a tensor-parallel worker's ranks
@@ -119,7 +125,8 @@ class WeightOwner:
     async def close_group(self, name: str) -> None:
         await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
 
-    async def begin_stream(self, group: str, shapes: dict, bucket_bytes: int, full: bool = False):
+    async def begin_stream(self, group: str, shapes: dict, bucket_bytes: int, full: bool = False,
+                           allow_non_finite: bool = False):
         """Checks the update on every worker, starts their receiving, and returns (version, staging layout) for
         the sender to broadcast. The update lock is held until the stream has landed or failed."""
         await self.lock.acquire()
@@ -133,7 +140,7 @@ class WeightOwner:
 
         async def land() -> int:
             try:
-                return await self._land(staging, version, {"stream": True})
+                return await self._land(staging, version, {"stream": True}, allow_non_finite)
             finally:
                 self.lock.release()
 
@@ -147,12 +154,12 @@ class WeightOwner:
         except Exception as e:
             raise cause(e) from None
 
-    async def update_shared(self, shared: list, layout) -> int:
+    async def update_shared(self, shared: list, layout, allow_non_finite: bool = False) -> int:
         """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
         async with self.lock:
             version = self.version + 1
             return await self._land([w.stage_shared.remote(shared, layout, version) for w in self._pool()], version,
-                                    {"stream": True})
+                                    {"stream": True}, allow_non_finite)
 
     async def devices(self) -> list[str]:
         """Each worker's GPU (its UUID), or its device when it has none; every rank's for tensor-parallel workers."""

@@ -225,6 +225,9 @@ class RankGroup:
     def abort(self, version: int) -> None:
         self._everywhere("abort", version)
 
+    def check_staged(self, version: int) -> str | None:
+        return next((name for name in self._on_ranks("check_staged", lambda r: (version,)) if name), None)
+
     def layout_for(self, *args):
         return self._everywhere("layout_for", *args)  # (each rank checks that it is in the sender's group)
 

@@ -25,8 +25,9 @@ from .log_prob_worker import gpu_uuid
 
 class WeightSender:
     def __init__(self, owner, num_receivers: int, device: torch.device, workers_on_cuda: bool, *,
-                 bucket_bytes: int | None = None, timeout_s: float = 300.0) -> None:
+                 bucket_bytes: int | None = None, timeout_s: float = 300.0, allow_non_finite: bool = False) -> None:
         self.owner = owner
+        self.allow_non_finite = allow_non_finite
         self.num_receivers = num_receivers  # the workers, or their ranks (tensor parallelism)
         self.device = device
         self.backend = "nccl" if device.type == "cuda" and workers_on_cuda else "gloo"
@@ -62,7 +63,8 @@ class WeightSender:
 
     def send(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Streams these tensors into every worker and returns the new weights_version once all have them; raises
-        IncompatibleWeights (nothing sent) or UpdateFailed (nothing changed) otherwise."""
+        IncompatibleWeights (nothing sent), NonFiniteWeights (a NaN or infinity in a tensor, unless the sender
+        allows them: nothing changed) or UpdateFailed (nothing changed) otherwise."""
         if self.closed:
             raise UpdateFailed("this weight sender is closed")
         tensors = named if isinstance(named, Mapping) else dict(named)
@@ -70,15 +72,15 @@ class WeightSender:
         if self.backend == "ipc":
             layout = get(self.owner.plan.remote(shapes))
             shared, alive = share_buckets(tensors, layout, self.device, self.bucket_bytes)
-            version = get(self.owner.update_shared.remote(shared, layout))
+            version = get(self.owner.update_shared.remote(shared, layout, self.allow_non_finite))
             del alive  # the workers have staged them
             return version
         try:
-            version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
+            version, layout = self._begin(shapes)
         except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
             self._drop_group()
             self._open()
-            version, layout = get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes))
+            version, layout = self._begin(shapes)
         try:
             broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
         except Exception:
@@ -86,6 +88,10 @@ class WeightSender:
             get(self.owner.finish_stream.remote(version))
             raise
         return get(self.owner.finish_stream.remote(version))
+
+    def _begin(self, shapes: dict) -> tuple:
+        return get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes, False,
+                                                  self.allow_non_finite))
 
     def close(self) -> None:
         self.closed = True

@@ -338,30 +338,34 @@ class WorkerPool:
         request = self.request(input_ids, score_from, temperature, return_entropy)
         return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request)
 
-    def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef) -> int:
+    def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef, *,
+                       allow_non_finite: bool = False) -> int:
         """New weights on every worker, or on none (then the error says why); returns the new version.
 
         `weights`: the path of a checkpoint directory every worker can read (each reads its shards straight into
         device memory), or a dict of tensors, full or partial (only the parameters it names change), streamed from
         this process over NCCL (CUDA tensors, CUDA workers) or gloo; an ObjectRef to such a dict is fetched here
-        first. For repeated updates from a trainer, keep one `weight_sender()` open instead."""
+        first. For repeated updates from a trainer, keep one `weight_sender()` open instead. Every staged tensor is
+        checked finite on the workers' devices before any commits: a NaN or an infinity refuses the update
+        (NonFiniteWeights, naming the tensor) unless `allow_non_finite`."""
         if isinstance(weights, ray.ObjectRef):
             weights = ray.get(weights)
         if isinstance(weights, str):
-            return get(self.owner.update_from_path.remote(weights))
-        with self.weight_sender(device=_device_of(weights.values())) as sender:
+            return get(self.owner.update_from_path.remote(weights, allow_non_finite))
+        with self.weight_sender(device=_device_of(weights.values()), allow_non_finite=allow_non_finite) as sender:
             return sender.send(weights)
 
     def weight_sender(self, *, device: str | torch.device | None = None, bucket_bytes: int | None = None,
-                      timeout_s: float = 300.0) -> WeightSender:
+                      timeout_s: float = 300.0, allow_non_finite: bool = False) -> WeightSender:
         """Opens a process group between this process (the sender) and every worker; `send(named_tensors)` then
         streams an update through it. NCCL when this process has CUDA (`device`, default the current one) and the
-        workers are on CUDA, gloo otherwise. Close it (or use `with`) when done."""
+        workers are on CUDA, gloo otherwise. Close it (or use `with`) when done. `allow_non_finite`: as in
+        update_weights."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return WeightSender(self.owner, len(self.workers) * self.ranks, device, self.device.startswith("cuda"),
-                            bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+                            bucket_bytes=bucket_bytes, timeout_s=timeout_s, allow_non_finite=allow_non_finite)
 
     def health(self, timeout: float = 30.0) -> list[dict]:
         """Each actor's info (device, weights_version, pid, row stats), or alive=False with the error."""

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from ..errors import IncompatibleWeights, UpdateFailed, WeightsUnavailable
+from ..errors import IncompatibleWeights, UpdateFailed, WeightsUnavailable, non_finite
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
 from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
@@ -119,6 +119,12 @@ class WeightsHolder:
         receive_shared(shared, staged)
         self._staged = (version, staged, None)
 
+    def check_staged(self, version: int) -> str | None:
+        """The name of a staged tensor of `version` that holds a NaN or an infinity, else None."""
+        if self._staged is None or self._staged[0] != version:
+            raise UpdateFailed(f"no staged weights of version {version} to check")
+        return self._staged[1].first_non_finite()
+
     def commit(self, version: int) -> int:
         if self._staged is None or self._staged[0] != version:
             raise UpdateFailed(f"no staged weights of version {version} to commit")
@@ -141,13 +147,17 @@ class WeightsHolder:
         if self._staged is not None and self._staged[0] == version:
             self._staged = None
 
-    def update_weights(self, weights: dict | str, version: int) -> int:
+    def update_weights(self, weights: dict | str, version: int, *, allow_non_finite: bool = False) -> int:
         """Stages and commits at once (a plain worker used in one process): a checkpoint path or a dict of tensors,
-        full or partial; IncompatibleWeights or InvalidCheckpoint before anything changes."""
+        full or partial; IncompatibleWeights (NonFiniteWeights for NaN or inf, unless allowed) or InvalidCheckpoint
+        before anything changes."""
         if isinstance(weights, str):
             self.stage_checkpoint(weights, version)
         else:
             self.stage_tensors(weights, version)
+        if not allow_non_finite and (name := self.check_staged(version)) is not None:
+            self.abort(version)
+            raise non_finite(name)
         return self.commit(version)
 
     def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float) -> GroupSpec:

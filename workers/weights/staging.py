@@ -19,6 +19,7 @@ from ..errors import IncompatibleWeights
 _ALIGN = 256  # bytes; every tensor starts at a multiple, so dtype views of the buffer are aligned
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 HEADROOM_BYTES = 2 << 30  # device memory left free for scoring when staging on the device
+FINITE_CHUNK = 1 << 26  # elements a finiteness check reduces at once (its temporary: 64 MiB of bools)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,23 @@ class StagedWeights:
 
     def tensor(self, entry: Entry) -> Tensor:
         return self.bytes_of(entry).view(entry.dtype).view(entry.shape)
+
+    @torch.no_grad()
+    def first_non_finite(self) -> str | None:
+        """The name of the first staged tensor holding a NaN or an infinity, else None: one reduction per chunk of
+        at most FINITE_CHUNK elements (bounding the temporary), read back with one synchronisation."""
+        flags, names = [], []
+        for entry in self.layout.entries:
+            if not entry.dtype.is_floating_point:
+                continue
+            flat = self.tensor(entry).view(-1)
+            for chunk in flat.split(FINITE_CHUNK):
+                flags.append(torch.isfinite(chunk).all())
+                names.append(entry.name)
+        if not flags:
+            return None
+        finite = torch.stack(flags).cpu()
+        return next((name for name, ok in zip(names, finite.tolist(), strict=True) if not ok), None)
 
     @torch.no_grad()
     def commit(self, model: nn.Module) -> None:

@@ -17,6 +17,7 @@ from ppo_logprobs.workers.errors import (
     CheckpointNotFound,
     IncompatibleWeights,
     InvalidCheckpoint,
+    NonFiniteWeights,
     WeightsUnavailable,
 )
 
@@ -134,7 +135,10 @@ def test_refused_updates_change_nothing(pool, tmp_path):
     shutil.copytree(path, truncated)
     shard = next(truncated.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-64])
+    norm = torch.ones(64)
+    norm[37] = float("inf")  # a diverged trainer's weights: streamed, checked on every worker before any commits
     refusals = [
+        ({"model.norm.weight": norm}, NonFiniteWeights, r"'model.norm.weight' holds NaN or infinite values"),
         ({"lm_head.weight": torch.zeros(7, 64)}, IncompatibleWeights, r"'lm_head.weight' has shape \[7, 64\]"),
         ({"model.layers.9.x": torch.zeros(1)}, IncompatibleWeights, "the update has 1 tensors the model does not"),
         (str(truncated), InvalidCheckpoint, "is truncated"),
@@ -145,6 +149,7 @@ def test_refused_updates_change_nothing(pool, tmp_path):
             pool.update_weights(weights)
     assert_serves(pool, load_model(path, backend="torch"), 1)
     assert pool.update_weights(path) == 2  # a refused update took no version
+    assert pool.update_weights({"model.norm.weight": norm}, allow_non_finite=True) == 3  # unless allowed
 
 
 def test_restarted_workers_come_back_with_the_current_weights(pool, tmp_path):

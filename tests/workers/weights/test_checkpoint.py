@@ -153,3 +153,18 @@ def test_a_tensor_parallel_rank_refuses_another_models_tensors(tmp_path):
     path = save(perturbed(5, intermediate_size=96), tmp_path / "other")
     with pytest.raises(IncompatibleWeights, match=r"mlp.down_proj.weight has shape \[64, 96\], not 128 entries"):
         read_checkpoint(cut_model(load_model("tiny", backend="torch"), 0, 2), path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_the_first_non_finite_staged_tensor_is_named(monkeypatch, bad):
+    """Chunks of 5 elements: the bad value sits in the last chunk of the second tensor, past the first chunk."""
+    from ppo_logprobs.workers.weights import staging
+
+    monkeypatch.setattr(staging, "FINITE_CHUNK", 5)
+    layout = staging.Layout.of([("a", (3, 4), torch.float32), ("b", (17,), torch.bfloat16), ("c", (2,), torch.float16)])
+    staged = staging.StagedWeights(layout, torch.device("cpu"))
+    for entry in layout.entries:
+        staged.tensor(entry).copy_(torch.randn(entry.shape))
+    if bad is not None:
+        staged.tensor(layout.entries[1])[16] = bad
+    assert staged.first_non_finite() == (None if bad is None else "b")
