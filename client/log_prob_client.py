@@ -13,6 +13,7 @@ as JSON text.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -293,11 +294,33 @@ class AsyncLogProbClient(_Base):
 
 def connect_pool(model: str = "policy", *, service: str = "ppo_logprobs", address: str = "auto"):
     """The WorkerPool of `model` in a running service (started with --pool-name `service`), for a trainer on
-    the same Ray cluster; joins the cluster at `address` when this process has not yet."""
+    the same Ray cluster; joins the cluster at `address` when this process has not yet (with "auto", the Ray
+    running on this machine, wherever it listens)."""
     import ray
 
     from ppo_logprobs.workers import WorkerPool
 
     if not ray.is_initialized():
+        if address == "auto":
+            _join_loopback_ray()
         ray.init(address=address)
     return WorkerPool.connect(f"{service}:{model}")
+
+
+def _join_loopback_ray() -> None:
+    """A service started on loopback (`make serve`) keeps its Ray on 127.0.0.1, where a driver would not look: Ray
+    dials the machine's own address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set before it was imported.
+    When the one Ray on this machine listens on loopback only, this process joins it there."""
+    import ipaddress
+
+    from ray._private import ray_constants, services
+
+    found = services.find_gcs_addresses()
+    host = next(iter(found)).rsplit(":", 1)[0].strip("[]") if len(found) == 1 else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # none, several, or a host name: Ray's own resolution applies
+        return
+    if loopback:
+        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes this one starts
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read when this process picks its node address

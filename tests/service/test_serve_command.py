@@ -62,6 +62,17 @@ def post(url, body, **kw):
     return httpx.post(url + "/logprobs", json=body, timeout=120, headers={**KEY, **kw.pop("headers", {})}, **kw)
 
 
+def test_a_trainer_process_connects_to_the_pool_as_the_readme_writes_it(served):
+    """`connect_pool(...)` from a plain Python process on the same machine, with none of the service's Ray settings
+    in its environment (before, it dialled the machine's address while Ray listened on loopback, and retried)."""
+    script = ("from ppo_logprobs.client import connect_pool\n"
+              "pool = connect_pool('policy', service='cmd-haproxy')\n"
+              "print(len(pool.compute_log_probs([[1, 2, 3, 4]])[0].log_probs))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1:] == ["3"], out.stderr[-3000:]
+
+
 def test_both_replicas_answer(served):
     url, _, _ = served
     seqs = random_sequences(3, seed=900)
