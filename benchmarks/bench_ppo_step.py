@@ -52,21 +52,41 @@ class Trainer:
         version = self.sender.send(self.model.named_parameters())
         return version, time.perf_counter() - start
 
-    def update_with_state_dict(self, pool: WorkerPool) -> float:
-        """`pool.update_weights(state_dict)`: the call that took 58-61 s for a 7B model before (object store)."""
+    def update_with_state_dict(self, pool: WorkerPool, host: bool = False) -> float:
+        """`pool.update_weights(state_dict)` (the call that took 58-61 s for a 7B model through the object store);
+        `host`: of a copy of the state dict in host memory, as a trainer offloading to the CPU holds it."""
+        state = self.model.state_dict()
+        if host:
+            if getattr(self, "host_state", None) is None:
+                self.host_state = {k: v.cpu() for k, v in state.items()}
+            state = self.host_state
         start = time.perf_counter()
-        pool.update_weights(self.model.state_dict())
+        pool.update_weights(state)
         return time.perf_counter() - start
 
     def close(self) -> None:
         self.sender.close()
 
 
-def make_pools(model: str, options: dict, gpus: int, max_tokens: int) -> tuple[WorkerPool, WorkerPool]:
+LOCAL_COPY = {"default": None, "on": True, "off": False}  # --local-copy: WorkerPool.create's local_copy
+
+
+def local_copy_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-copy", choices=list(LOCAL_COPY), default="default",
+                        help="the pools' local_copy (default: the pool's default, as users get it)")
+
+
+def non_defaults(args, defaults: dict) -> dict:
+    """The options of this run that differ from the benchmark's defaults (written into its JSON and table)."""
+    return {k: v for k, v in vars(args).items() if k in defaults and v != defaults[k]}
+
+
+def make_pools(model: str, options: dict, gpus: int, max_tokens: int,
+               local_copy: bool | None = None) -> tuple[WorkerPool, WorkerPool]:
     share = {0: 0, 1: 1 / 3}.get(gpus, 0.5)  # both pools on the GPU the trainer does not hold, or beside it
     return tuple(
         WorkerPool.create(model, 1, num_gpus_per_worker=share, max_tokens_per_batch=max_tokens, name=name,
-                          local_copy=False, **options)
+                          local_copy=local_copy, **options)
         for name in ("policy", "reference")
     )
 
@@ -78,8 +98,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    local_copy_flag(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
+    changed = non_defaults(args, dict(max_tokens=16384, bucket_mib=512, local_copy="default"))
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)
@@ -91,7 +113,7 @@ def main() -> None:
     trainer_gpus = {0: 0, 1: 1 / 3}.get(gpus, 1)
     trainer = ray.remote(Trainer).options(num_gpus=trainer_gpus).remote(args.model, None if tiny else "bfloat16")
     ray.get(trainer.__ray_ready__.remote())  # the trainer takes its GPU first; the workers share the other
-    policy, reference = make_pools(args.model, options, gpus, args.max_tokens)
+    policy, reference = make_pools(args.model, options, gpus, args.max_tokens, LOCAL_COPY[args.local_copy])
     nbytes = ray.get(trainer.connect.remote(policy, args.bucket_mib))
 
     steps = []
@@ -106,6 +128,7 @@ def main() -> None:
             steps.append(dict(scoring_s=scoring, sync_s=total - scoring, send_s=send, total_s=total))
         print(f"step {step}: scoring {scoring:.3f} s, weight sync {total - scoring:.3f} s", flush=True)
     state_dict_s = ray.get(trainer.update_with_state_dict.remote(policy))
+    host_state_dict_s = [ray.get(trainer.update_with_state_dict.remote(policy, True)) for _ in range(2)][-1]
 
     median = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
     results = dict(
@@ -113,6 +136,8 @@ def main() -> None:
         model=args.model, rollouts=len(seqs), tokens=tokens, weight_bytes=nbytes, steps=steps, median=median,
         scoring_tokens_per_s=2 * tokens / median["scoring_s"], sync_gib_per_s=nbytes / median["send_s"] / 2**30,
         sync_share=median["sync_s"] / median["total_s"], state_dict_update_s=state_dict_s,
+        host_state_dict_update_s=host_state_dict_s, host_state_dict_gib_per_s=nbytes / host_state_dict_s / 2**30,
+        options=changed,
         layout={0: "CPU, gloo", 1: "trainer, policy and reference workers on one GPU (CUDA IPC)"}.get(
             gpus, "trainer on GPU 0; policy and reference workers on GPU 1, half a GPU each (NCCL)"),
     )
@@ -120,6 +145,9 @@ def main() -> None:
     for p in (policy, reference):
         p.shutdown()
     print(json.dumps({k: v for k, v in results.items() if k != "steps"}), flush=True)
+    print(f"{'options':<10}{'scoring s':>10}{'sync s':>8}{'sync %':>8}{'tok/s':>10}{'host dict s':>12}")
+    print(f"{json.dumps(changed) if changed else 'defaults':<10}{median['scoring_s']:>10.3f}{median['sync_s']:>8.3f}"
+          f"{100 * results['sync_share']:>8.1f}{results['scoring_tokens_per_s']:>10.0f}{host_state_dict_s:>12.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -27,7 +27,7 @@ from pathlib import Path
 import ray
 import torch
 from bench_pool import median_seconds  # the same directory
-from bench_ppo_step import Trainer
+from bench_ppo_step import LOCAL_COPY, Trainer, local_copy_flag, non_defaults
 
 from ppo_logprobs.workers import WorkerPool
 
@@ -100,8 +100,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--checkpoint-only", action="store_true")
+    local_copy_flag(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
+    changed = non_defaults(args, dict(bucket_mib=512, local_copy="default"))
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
     share = 0.5 if gpus == 1 else 1  # one GPU: the trainer and the worker share it
@@ -120,11 +122,11 @@ def main() -> None:
         trainer = ray.remote(Trainer).options(num_gpus=share if gpus else 0).remote(args.model, dtype)
         ray.get(trainer.__ray_ready__.remote())
     pool = WorkerPool.create(path, 1, num_gpus_per_worker=share if gpus else 0, max_tokens_per_batch=4096,
-                             local_copy=False, **options)
+                             local_copy=LOCAL_COPY[args.local_copy], **options)
     worker = pool.workers[0]
     nbytes = ray.get(worker.__ray_call__.remote(lambda w: sum(p.nbytes for p in w.model.parameters())))
     results = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(0) if gpus else "cpu",
-                   model=args.model, weight_bytes=nbytes, reps=args.reps, sources={}, raw={})
+                   model=args.model, weight_bytes=nbytes, reps=args.reps, options=changed, sources={}, raw={})
 
     def rate(seconds: float) -> dict:
         return dict(seconds=seconds, gib_per_s=nbytes / seconds / 2**30)
@@ -146,6 +148,8 @@ def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, 
     results["sources"]["trainer_stream"] = rate(statistics.median(sends))
     dicts = [ray.get(trainer.update_with_state_dict.remote(pool)) for _ in range(args.reps + 1)][1:]
     results["sources"]["state_dict"] = rate(statistics.median(dicts))
+    dicts = [ray.get(trainer.update_with_state_dict.remote(pool, True)) for _ in range(args.reps + 1)][1:]
+    results["sources"]["host_state_dict"] = rate(statistics.median(dicts))
 
     gpus = torch.cuda.device_count()
     if results["sender"] != "ipc":
@@ -164,6 +168,7 @@ def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, 
 
 def report(results: dict, out: str | None) -> None:
     print(json.dumps(results), flush=True)
+    print("options:", json.dumps(results["options"]) if results["options"] else "defaults")
     print(f"{'source':<16}{'seconds':>9}{'GiB/s':>9}")
     for name, r in {**results["sources"], **{f"raw {k}": v for k, v in results["raw"].items()
                                              if "seconds" in v}}.items():

@@ -195,8 +195,9 @@ async def healthz() -> dict:
 
 @router.get("/readyz")
 async def readyz(gw: GatewayDep) -> JSONResponse:
-    """Ready when every worker of every model can score the current weights; says nothing else (the workers'
-    details are at /v1/health, behind the key)."""
+    """Ready when every model has a worker that can score (alive, holding weights; updates are staged beside
+    scoring, so an update in progress does not make it unready); says nothing else (the workers' details are at
+    /v1/health, behind the key)."""
     ready = _ready(await asyncio.to_thread(gw.health))
     return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
@@ -210,7 +211,7 @@ async def health(gw: GatewayDep) -> JSONResponse:
 
 
 def _ready(health: dict[str, list[dict]]) -> bool:
-    return all(w["alive"] and w.get("weights_version") is not None for ws in health.values() for w in ws)
+    return all(any(w["alive"] and w.get("weights_version") is not None for w in ws) for ws in health.values())
 
 
 @router.get("/metrics")

@@ -24,10 +24,6 @@ from ..helpers import alone, perturbed, random_sequences, save, serving
 SEQS = random_sequences(4, seed=60, hi=70)
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("weights")
@@ -98,6 +94,31 @@ def test_refused_reloads_change_nothing(server, checkpoints):
         after = score(server)
         assert after == before  # the same version, the same bits
     assert before["weights_version"] == 0 and matches(before, load_model("tiny", backend="torch"))
+
+
+def test_scoring_and_readiness_go_on_while_bad_updates_are_refused(server, checkpoints, tmp_path):
+    """A checkpoint with a NaN and one whose shard is a FIFO, each sent with scoring requests and readiness checks
+    beside it: each is refused (4xx), and everything else is answered, with the weights served before."""
+    _, root = checkpoints
+    refusals(root)
+    broken = perturbed(98)
+    with torch.no_grad():
+        broken.model.layers[1].mlp.down_proj.weight[3, 5] = float("inf")
+    paths = [save(broken, tmp_path / "inf"), str(root / "fifo")]
+    before = score(server)
+
+    async def run(path):
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            calls = [client.post("/v1/models/policy/reload", json={"path": path})]
+            calls += [client.post("/logprobs", json={"input_ids": SEQS}) for _ in range(8)]
+            calls += [client.get("/readyz") for _ in range(4)]
+            return await asyncio.gather(*calls)
+
+    for path, status in zip(paths, (409, 422), strict=True):
+        reload, *answers = asyncio.run(run(path))
+        assert reload.status_code == status, reload.text
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        assert all(a.json() in (before, {"ready": True}) for a in answers)  # the old version, the same bits
 
 
 def test_concurrent_reloads_and_scoring(server, checkpoints):

@@ -114,13 +114,14 @@ class LogProbWorker(WeightsHolder):
     sequences with it.
 
     `restore`: for an actor that Ray restarted, where its pool's current weights are instead of `model` (see
-    WeightOwner.restore_spec and `restored`). `keep_dir`: keep a local copy of the weights served there (see
-    weights/keep.py).
+    WeightOwner.restore_spec and `restored`). `keep_dir`: keep a local copy of the weights served there, of checkpoints
+    (hard links) and, with `keep_streams`, of streamed weights too (see weights/keep.py).
     """
 
     def __init__(
         self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
-        row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None, **load_options,
+        row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None,
+        keep_streams: bool = False, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
@@ -132,7 +133,7 @@ class LogProbWorker(WeightsHolder):
             self.model = load_model(model, device=self.device, **load_options)
         else:
             self.model, self.weights_version = restored(restore, device=self.device, **load_options)
-        self._init_weights(keep_dir)
+        self._init_weights(keep_dir, keep_streams)
         self.max_tokens_per_batch = max_tokens_per_batch
         cuda = str(self.device).startswith("cuda")
         self.layout: Layout = layout or ("packed" if cuda else "padded")

@@ -19,12 +19,20 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause, non_finite
+from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause, clip, non_finite
 from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "ppo_logprobs"  # the Ray namespace of named pools, and of the owners' saved state
+STAGING = "staging"  # the workers' concurrency group (a thread) in which updates are read or received, so that
+# a worker goes on scoring with the weights it has meanwhile; commits run between scoring calls
+READ_DEADLINE_S = 900.0  # the longest a worker may take to read a checkpoint before the update is given up
+
+
+def staging(worker, method: str):
+    """`worker.method`, run in the worker's staging thread (beside scoring)."""
+    return getattr(worker, method).options(concurrency_group=STAGING)
 
 
 def actors(names: list[str]) -> list:
@@ -88,14 +96,14 @@ class WeightOwner:
             self.source = {**self.source, "keep": path}
             self._save()
 
-    async def _land(self, staging: list, version: int, source: dict, allow_non_finite: bool = False) -> int:
+    async def _land(self, staged: list, version: int, source: dict, allow_non_finite: bool = False) -> int:
         """Waits for every worker's staging call; commits everywhere if all succeeded and (unless allowed) every
         staged tensor is finite, else aborts everywhere and raises the first failure (a BadWeights before any
         other)."""
-        outcomes = await asyncio.gather(*staging, return_exceptions=True)
+        outcomes = await asyncio.gather(*staged, return_exceptions=True)
         errors = [_update_error(e) for e in outcomes if isinstance(e, BaseException)]
         if not errors and not allow_non_finite:
-            checks = await asyncio.gather(*(w.check_staged.remote(version) for w in self.workers),
+            checks = await asyncio.gather(*(staging(w, "check_staged").remote(version) for w in self.workers),
                                           return_exceptions=True)
             errors = [_update_error(e) for e in checks if isinstance(e, BaseException)]
             errors += [non_finite(name) for name in checks if isinstance(name, str)][:1]
@@ -113,14 +121,23 @@ class WeightOwner:
     async def update_from_path(self, path: str, allow_non_finite: bool = False) -> int:
         async with self.lock:
             version = self.version + 1  # updates are serialised: the next one, unless this one fails
-            return await self._land([w.stage_checkpoint.remote(path, version) for w in self._pool()], version,
-                                    {"path": path}, allow_non_finite)
+            return await self._land([self._read(w, path, version) for w in self._pool()], version, {"path": path},
+                                    allow_non_finite)
+
+    @staticmethod
+    async def _read(worker, path: str, version: int) -> None:
+        try:
+            await asyncio.wait_for(staging(worker, "stage_checkpoint").remote(path, version), READ_DEADLINE_S)
+        except TimeoutError:
+            raise UpdateFailed(f"a worker did not finish reading the checkpoint {clip(path, 200)!r} within "
+                               f"{READ_DEADLINE_S:.0f} s (a hung file system?); nothing changed") from None
 
     async def open_group(self, spec) -> None:
         """Every worker joins a sender's group (ranks 1..n, in worker order; a tensor-parallel worker's ranks
         one after another, each receiving the whole tensors and keeping its parts)."""
         ranks = (spec.world_size - 1) // len(self._pool())
-        await asyncio.gather(*(w.join_group.remote(spec, 1 + i * ranks) for i, w in enumerate(self.workers)))
+        await asyncio.gather(*(staging(w, "join_group").remote(spec, 1 + i * ranks)
+                               for i, w in enumerate(self.workers)))
 
     async def close_group(self, name: str) -> None:
         await asyncio.gather(*(w.leave_group.remote(name) for w in self.workers), return_exceptions=True)
@@ -136,11 +153,11 @@ class WeightOwner:
             self.lock.release()
             raise cause(e) from None
         version = self.version + 1
-        staging = [w.stage_stream.remote(group, layouts[0], version, bucket_bytes) for w in self.workers]
+        staged = [staging(w, "stage_stream").remote(group, layouts[0], version, bucket_bytes) for w in self.workers]
 
         async def land() -> int:
             try:
-                return await self._land(staging, version, {"stream": True}, allow_non_finite)
+                return await self._land(staged, version, {"stream": True}, allow_non_finite)
             finally:
                 self.lock.release()
 
@@ -158,8 +175,8 @@ class WeightOwner:
         """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
         async with self.lock:
             version = self.version + 1
-            return await self._land([w.stage_shared.remote(shared, layout, version) for w in self._pool()], version,
-                                    {"stream": True}, allow_non_finite)
+            return await self._land([staging(w, "stage_shared").remote(shared, layout, version) for w in self._pool()],
+                                    version, {"stream": True}, allow_non_finite)
 
     async def devices(self) -> list[str]:
         """Each worker's GPU (its UUID), or its device when it has none; every rank's for tensor-parallel workers."""
@@ -204,21 +221,21 @@ class WeightOwner:
     async def _stage_from_disk(self, worker, version: int) -> None:
         """The current checkpoint, or the worker's local copy when the checkpoint is gone."""
         try:
-            await worker.stage_checkpoint.remote(self.source.get("path") or self.source["keep"], version)
+            await self._read(worker, self.source.get("path") or self.source["keep"], version)
         except Exception:
             if "keep" not in self.source or "path" not in self.source:
                 raise
-            await worker.stage_checkpoint.remote(self.source["keep"], version)
+            await self._read(worker, self.source["keep"], version)
 
     async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:
         """The peer sends all its parameters to the worker in a group of two (one per rank, rank r to rank r, for
         tensor-parallel workers: both hold the same parts)."""
         name = f"restore-{uuid.uuid4().hex[:12]}"
         spec = await peer.open_sender.remote(name, 2, "nccl" if device.startswith("cuda") else "gloo", 300.0)
-        joined = worker.join_group.remote(spec, 1)
-        sent = peer.send_weights.remote(spec)
+        joined = staging(worker, "join_group").remote(spec, 1)
+        sent = staging(peer, "send_weights").remote(spec)
         try:
             await joined
-            await asyncio.gather(worker.stage_stream.remote(name, None, version, BUCKET_BYTES), sent)
+            await asyncio.gather(staging(worker, "stage_stream").remote(name, None, version, BUCKET_BYTES), sent)
         finally:
             worker.leave_group.remote(name)

@@ -30,13 +30,16 @@ from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
 from ..weights.keep import rank_copy
 from ..weights.transfer import GroupSpec, open_group, serve_store
-from .owner import actors
+from .owner import actors, staging
 
 log = logging.getLogger(__name__)
 
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call after failures, the group formed again between them
 _OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each time smaller ones)
+# what the other ranks run in their staging thread, as the leader does (its pool's owner calls it there)
+_STAGING_CALLS = frozenset({"stage_checkpoint", "stage_stream", "stage_shared", "check_staged", "join_group",
+                            "open_sender", "send_weights"})
 
 
 class OutOfMemoryInForward(RuntimeError):
@@ -111,7 +114,8 @@ class RankGroup:
         one's; the results in rank order. The others get `wait_s` more to finish (None: as long as they live)."""
         if self._follower_names and not self.followers:
             self.followers = actors(self._follower_names)
-        refs = [getattr(f, method).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
+        call = (lambda f: staging(f, method)) if method in _STAGING_CALLS else (lambda f: getattr(f, method))
+        refs = [call(f).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
         errors = []
         try:
             mine = getattr(super(), method)(*args_of(0))

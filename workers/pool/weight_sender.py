@@ -4,8 +4,10 @@
         version = sender.send(model.named_parameters())   # every step: one broadcast for all workers
 
 The tensors may be a full or partial set, in any dtype (they are converted to the workers' dtypes bucket by bucket),
-CUDA tensors (NCCL, GPU to GPU) or host tensors (gloo), or FSDP2 DTensor shards (each gathered whole as its bucket
-is sent; the trainer's other ranks must iterate the same parameters calling `full_tensor()` alongside). A trainer
+on the GPU or in host memory (with CUDA workers, host tensors reach the sender's GPU through pinned buffers, then
+go GPU to GPU over NCCL; gloo only where the sender or the workers have no GPU), or FSDP2 DTensor shards (each
+gathered whole as its bucket is sent; the trainer's other ranks must iterate the same parameters calling
+`full_tensor()` alongside). A trainer
 colocated with the workers on its own GPU (NCCL cannot join two processes of one GPU) shares its buckets by CUDA
 IPC handles instead, and the workers copy them device to device.
 """

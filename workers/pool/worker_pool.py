@@ -16,7 +16,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,7 +31,7 @@ from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
 from ..weights.keep import rank_copy
 from .log_prob_worker import LogProbWorker
-from .owner import NAMESPACE, WeightOwner, actors
+from .owner import NAMESPACE, STAGING, WeightOwner, actors
 from .rank_group import GROUP_TIMEOUT_S, RankGroup
 from .weight_sender import WeightSender
 
@@ -216,9 +216,14 @@ class WorkerPool:
         parts (`tensor_parallel`, default N; on CPU clusters give it alone, e.g. 2, for gloo ranks). `resources`
         adds custom Ray resources per worker (to pin the workers to node types that have them). With a name, actors
         and placement groups are named and detached: they outlive this driver until `shutdown()`, and other jobs can
-        `connect(name)`. `local_copy` (default: when there is one worker, which has no peer to restore it) keeps the
-        served weights on the worker's node so that a restarted worker gets them back whatever their source
-        (weights/keep.py; each rank of a tensor-parallel worker keeps its parts)."""
+        `connect(name)`.
+
+        `local_copy`: what a worker keeps on its node so that, restarted, it gets the current weights back without a
+        live peer (weights/keep.py; each rank of a tensor-parallel worker keeps its parts). By default a pool of one
+        worker keeps hard links to each checkpoint it loads (free; the trainer may delete the checkpoint) and
+        nothing of streamed weights: restarted after a stream, it reports WeightsUnavailable until the trainer's
+        next full send. True: streamed weights too, written to disk beside scoring (host memory of the model's size
+        is held for it); False: nothing."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         if num_gpus_per_worker is None:
@@ -247,13 +252,12 @@ class WorkerPool:
                 f"the cluster has {ray.available_resources()} free"
             ) from None
         key = f"weights:{name or uuid.uuid4().hex}"
-        if local_copy is None:
-            local_copy = num_workers == 1
-        keep_dir = f"ppo_logprobs-{key.replace(':', '-')}" if local_copy else None
+        links = local_copy or (local_copy is None and num_workers == 1)
+        keep = dict(keep_dir=f"ppo_logprobs-{key.replace(':', '-')}", keep_streams=bool(local_copy)) if links else {}
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
-        actor = ray.remote(_PooledWorker)
+        actor = ray.remote(concurrency_groups={STAGING: 1})(_PooledWorker)  # updates stage beside scoring
 
         ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
 
@@ -279,9 +283,9 @@ class WorkerPool:
 
         workers, ranks = [], []
         for i in range(num_workers):
-            ranks += [start(i, rank, keep_dir=keep_dir) for rank in range(1, size)]
+            ranks += [start(i, rank, **keep) for rank in range(1, size)]
             followers = [_rank_name(ranks_prefix, i, rank) for rank in range(1, size)]
-            workers.append(start(i, 0, followers=followers, keep_dir=keep_dir))
+            workers.append(start(i, 0, followers=followers, **keep))
         infos = ray.get([w.info.remote() for w in workers])
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
@@ -344,15 +348,18 @@ class WorkerPool:
 
         `weights`: the path of a checkpoint directory every worker can read (each reads its shards straight into
         device memory), or a dict of tensors, full or partial (only the parameters it names change), streamed from
-        this process over NCCL (CUDA tensors, CUDA workers) or gloo; an ObjectRef to such a dict is fetched here
-        first. For repeated updates from a trainer, keep one `weight_sender()` open instead. Every staged tensor is
-        checked finite on the workers' devices before any commits: a NaN or an infinity refuses the update
-        (NonFiniteWeights, naming the tensor) unless `allow_non_finite`."""
+        this process: to CUDA workers over NCCL from this process's GPU (host tensors are copied to it through
+        pinned buffers, a bucket at a time) or by CUDA IPC where the workers share that GPU; over gloo where this
+        process or the workers have no GPU. An ObjectRef to such a dict is fetched here first. For repeated updates
+        from a trainer, keep one `weight_sender()` open instead. Every staged tensor is checked finite on the
+        workers' devices before any commits: a NaN or an infinity refuses the update (NonFiniteWeights, naming the
+        tensor) unless `allow_non_finite`."""
         if isinstance(weights, ray.ObjectRef):
             weights = ray.get(weights)
         if isinstance(weights, str):
             return get(self.owner.update_from_path.remote(weights, allow_non_finite))
-        with self.weight_sender(device=_device_of(weights.values()), allow_non_finite=allow_non_finite) as sender:
+        device = next((t.device for t in weights.values() if t.is_cuda), None)  # else this process's GPU, if any
+        with self.weight_sender(device=device, allow_non_finite=allow_non_finite) as sender:
             return sender.send(weights)
 
     def weight_sender(self, *, device: str | torch.device | None = None, bucket_bytes: int | None = None,
@@ -411,6 +418,3 @@ def _config_of(model: str):
     except (OSError, ValueError):
         return None
 
-
-def _device_of(tensors: Iterable[torch.Tensor]) -> torch.device:
-    return next(iter(tensors), torch.empty(0)).device

@@ -20,13 +20,8 @@ from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
 from .keep import PARTS_FILE
-from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
+from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, part_shape, rank_parts
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _MAX_HEADER = 100 << 20
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
@@ -75,7 +70,7 @@ def _read_header(file: Path) -> dict[str, TensorSpec]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[info["dtype"]]
+            dtype = FILE_DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -153,7 +148,7 @@ def _holds_parts(model: nn.Module, path: str) -> bool:
 _slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads
 
 
-def _slot_queue(device: torch.device) -> queue.Queue:
+def pinned_slots(device: torch.device) -> queue.Queue:
     """READ_THREADS pinned host buffers with a copy stream each, made once per process (pinning is slow)."""
     global _slots
     if _slots is None:
@@ -202,7 +197,7 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
                 n = min(step, dst.numel() - lo)
                 jobs.append((fds[spec.file], start + lo * size, n * size, spec.dtype, dst[lo : lo + n], None))
         cuda = staged.device.type == "cuda"
-        slots = _slot_queue(staged.device) if cuda else None
+        slots = pinned_slots(staged.device) if cuda else None
 
         def source(raw: Tensor, dtype: torch.dtype, columns: tuple[int, int] | None, dst: Tensor) -> Tensor:
             src = raw.view(dtype)

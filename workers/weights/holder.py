@@ -29,11 +29,11 @@ class WeightsHolder:
     model: nn.Module
     weights_version: int | None
 
-    def _init_weights(self, keep_dir: str | None = None) -> None:
+    def _init_weights(self, keep_dir: str | None = None, keep_streams: bool = False) -> None:
         self._staged: tuple[int, StagedWeights, str | None] | None = None  # (version, weights, checkpoint path)
         self._groups: dict = {}  # group name -> (GroupSpec, process group), this worker a receiver
         self._stores: dict = {}  # group name -> the store this worker serves as a sender
-        self._copy = LocalCopy(keep_dir, self._kept) if keep_dir else None
+        self._copy = LocalCopy(keep_dir, self._kept, keep_streams) if keep_dir else None
 
     def _kept(self, version: int, path: str) -> None:
         """Called once a local copy of `version` is whole (LogProbWorker's pool tells its owner)."""

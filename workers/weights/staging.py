@@ -19,6 +19,11 @@ from ..errors import IncompatibleWeights
 _ALIGN = 256  # bytes; every tensor starts at a multiple, so dtype views of the buffer are aligned
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 HEADROOM_BYTES = 2 << 30  # device memory left free for scoring when staging on the device
+FILE_DTYPES = {  # safetensors' names of the dtypes it stores
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 FINITE_CHUNK = 1 << 26  # elements a finiteness check reduces at once (its temporary: 64 MiB of bools)
 
 

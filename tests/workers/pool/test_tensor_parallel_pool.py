@@ -35,7 +35,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def pool(cluster):
-    pool = WorkerPool.create("tiny", 1, tensor_parallel=2, max_tokens_per_batch=256, backend="torch")
+    pool = WorkerPool.create("tiny", 1, tensor_parallel=2, max_tokens_per_batch=256, backend="torch",
+                             local_copy=True)  # (a test restores streamed weights from the ranks' copies)
     yield pool
     pool.shutdown()
 

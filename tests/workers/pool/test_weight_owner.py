@@ -1,6 +1,7 @@
 """Weight updates through a pool's owner on a local Ray cluster: trainer processes streaming over gloo, refusals that
 change nothing, a trainer killed mid-stream, restarted workers after each source, versions from two handles."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file
 
 from ppo_logprobs.workers import WorkerPool, load_model
 from ppo_logprobs.workers.errors import (
@@ -38,10 +40,6 @@ def pool(cluster):
     pool = WorkerPool.create("tiny", 2, name="owner-test", max_tokens_per_batch=256, backend="torch")
     yield pool
     pool.shutdown()
-
-
-
-
 
 
 def assert_serves(pool, model, version):
@@ -203,37 +201,109 @@ def kept(pool):
     return keep
 
 
-def test_one_worker_comes_back_from_its_local_copy(cluster, tmp_path):
+def copy_threads(worker) -> tuple:
+    """What a worker runs to keep local copies: (keeps streamed weights, has a writer thread, threads named so)."""
+    def of(w):
+        return w._copy.streams, w._copy.writer is not None, [t.name for t in threading.enumerate()
+                                                              if t.name == "local-copy"]
+
+    return ray.get(worker.__ray_call__.remote(of))
+
+
+def test_a_lone_worker_at_defaults_links_checkpoints_and_writes_nothing_of_streams(cluster, tmp_path):
     pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch")
     try:
         path = save(perturbed(11), tmp_path / "step-1")
         model = load_model(path, backend="torch")
         version = pool.update_weights(path)
-        kept(pool)
+        keep = kept(pool)
+        assert os.path.samefile(f"{keep}/model.safetensors", f"{path}/model.safetensors")  # a hard link: free
         shutil.rmtree(path)  # rotated away: no checkpoint, no peer
         ray.kill(pool.workers[0], no_restart=False)
         assert_serves(pool, model, version)
+        for seed in (12, 13):  # back to back: the first leaves nothing running that the second waits on
+            streamed = perturbed(seed)
+            version = pool.update_weights(dict(streamed.named_parameters()))
+            assert copy_threads(pool.workers[0]) == (False, False, [])
+        assert ray.get(pool.owner.state.remote())["source"] == {"stream": True}
+        assert_serves(pool, streamed, version)
+    finally:
+        pool.shutdown()
 
-        streamed = perturbed(12)
-        version = pool.update_weights(dict(streamed.named_parameters()))
-        assert kept(pool).endswith(f"v{version}")
+
+def test_one_worker_keeps_streamed_weights_when_asked(cluster):
+    pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch", local_copy=True)
+    try:
+        for seed in (12, 13):
+            streamed = perturbed(seed)
+            version = pool.update_weights(dict(streamed.named_parameters()))
+        keep = kept(pool)  # (the owner takes only the current version's copy)
+        assert keep.endswith(f"v{version}") and copy_threads(pool.workers[0])[0]
+        written = load_file(f"{keep}/model.safetensors")  # read back by safetensors itself
+        assert {n: p.dtype for n, p in written.items()} == {n: p.dtype for n, p in streamed.named_parameters()}
+        for name, p in streamed.named_parameters():
+            assert torch.equal(written[name], p.detach()), name
         ray.kill(pool.workers[0], no_restart=False)
         assert_serves(pool, streamed, version)
     finally:
         pool.shutdown()
 
 
-def test_one_worker_without_a_copy_says_what_is_lost(cluster):
-    pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch", local_copy=False)
+def test_a_lone_worker_restarted_after_a_stream_asks_for_the_weights_again(cluster):
+    """At the defaults nothing of streamed weights is kept: the restarted worker says so (never scoring with old or
+    initial weights) until the trainer's next send, through the sender it holds open."""
+    pool = WorkerPool.create("tiny", 1, max_tokens_per_batch=256, backend="torch")
     try:
-        streamed = perturbed(13)
-        version = pool.update_weights(dict(streamed.named_parameters()))
-        ray.kill(pool.workers[0], no_restart=False)
-        with pytest.raises(WeightsUnavailable, match=f"needs weights version {version}, which were streamed"):
-            pool.compute_log_probs(SEQS)
-        again = pool.update_weights(dict(streamed.named_parameters()))  # the trainer sends them again
+        with pool.weight_sender() as sender:
+            sender.send(perturbed(13).named_parameters())
+            streamed = perturbed(14)
+            version = sender.send(streamed.named_parameters())
+            ray.kill(pool.workers[0], no_restart=False)
+            with pytest.raises(WeightsUnavailable, match=f"needs weights version {version}, which were streamed"):
+                pool.compute_log_probs(SEQS)
+            again = sender.send(streamed.named_parameters())  # the trainer's next step
+        assert again == version + 1
         assert_serves(pool, streamed, again)
     finally:
+        pool.shutdown()
+
+
+class Held(dict):
+    """A trainer's tensors, the second of which is handed over only once `release` is set: the workers wait
+    mid-update, in their staging thread, meanwhile."""
+
+    def __init__(self, items):
+        super().__init__(items)
+        self.reads, self.reached, self.release = 0, threading.Event(), threading.Event()
+
+    def __getitem__(self, name):
+        self.reads += 1
+        if self.reads == 2:
+            self.reached.set()
+            self.release.wait(300)
+        return super().__getitem__(name)
+
+
+def test_workers_score_with_the_old_weights_while_an_update_is_received(cluster):
+    pool = WorkerPool.create("tiny", 2, max_tokens_per_batch=256, backend="torch")
+    streamed = perturbed(17)
+    tensors = Held(streamed.named_parameters())
+    landed = []
+    sending = threading.Thread(target=lambda: landed.append(pool.update_weights(tensors)))
+    try:
+        sending.start()
+        assert tensors.reached.wait(120)
+        results = ray.get(pool.compute_log_probs_async(SEQS), timeout=120)  # (without staging beside: waits)
+        for seq, r in zip(SEQS, results, strict=True):
+            np.testing.assert_allclose(r.log_probs, alone(load_model("tiny", backend="torch"), seq)[0], atol=1e-5)
+            assert r.weights_version == 0
+        assert {h["weights_version"] for h in pool.health(timeout=60)} == {0}
+        tensors.release.set()
+        sending.join(120)
+        assert landed == [1]
+        assert_serves(pool, streamed, 1)
+    finally:
+        tensors.release.set()
         pool.shutdown()
 
 
