@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from ..head import Backend
 from ..weights.checkpoint import read_checkpoint
-from .patch_model import patch_model
+from .patch_model import allow_split_k, patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
 # A real Qwen2 architecture, small enough for CPU tests and demos; its weights are random with a fixed seed.
@@ -37,6 +37,7 @@ def load_model(
     config: dict | None = None,
     process_group=None,
     shard: tuple[int, int] | None = None,
+    invariant: bool = True,
 ) -> nn.Module:
     """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
 
@@ -45,7 +46,8 @@ def load_model(
     initialised, for a weight update to fill. With `process_group`, this rank's tensor-parallel part
     (tensor_parallel.py): built alone and filled with its part of each checkpoint tensor (the whole model exists
     nowhere), or from `config` left as initialised. `shard` (rank, size) does the same without a group yet (a
-    pool's rank joins its group later; it scores only then).
+    pool's rank joins its group later; it scores only then). `invariant=False`: the fast mode (patch_model's
+    invariant, and cuBLAS's process-wide defaults back: README "Exactness").
     """
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())
@@ -83,4 +85,6 @@ def load_model(
         model = model.to(dtype)
     if device is not None:
         model = model.to(device)
-    return patch_model(model.eval(), backend=backend, process_group=process_group)
+    if not invariant:
+        allow_split_k(True)
+    return patch_model(model.eval(), backend=backend, process_group=process_group, invariant=invariant)

@@ -245,6 +245,47 @@ class LogProbWorker(WeightsHolder):
     def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
                      log_probs: np.ndarray, entropy: np.ndarray | None) -> int:
         """One forward of these sequences; writes their entries; returns its cost in tokens."""
+        inputs, dst, cost = self._group_inputs(request, group, limit, offsets)
+        out = self._forward(**inputs, compute_entropy=entropy is not None)
+        log_probs[dst] = out.log_probs.cpu().numpy()
+        if entropy is not None:
+            entropy[dst] = out.entropy.cpu().numpy()
+        self.stats["rows"] += 1
+        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
+        return cost
+
+    def log_probs_with_grad(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        score_from: int | Sequence[int] = 1,
+        temperature: float | Sequence[float] = 1.0,
+        return_entropy: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """A trainer's side of score(): per sequence, its log-probs (and entropies) as tensors that carry gradients
+        to the model's parameters, from the forwards score() runs (same layout, kernels and row limit). In the
+        invariant mode they are the bits a worker serving the same weights returns for these sequences, however
+        the worker's call was made up (on a GPU; on the CPU only when it scored exactly this batch: README
+        "Using it from a PPO trainer")."""
+        request = ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
+                                     vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
+        offsets = np.zeros(len(request) + 1, dtype=np.int64)
+        np.cumsum(request.scored, out=offsets[1:])
+        log_probs, entropy, where = [], [], []
+        for group in self._split(request.lengths, self.max_tokens_per_batch):
+            inputs, dst, _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
+            out = self._forward(**inputs, compute_entropy=return_entropy)
+            log_probs.append(out.log_probs)
+            entropy.append(out.entropy)
+            where.append(dst)
+        order = torch.from_numpy(np.argsort(np.concatenate(where))).to(self.device)  # back to request order
+        sizes = request.scored.tolist()
+        per_sequence = [torch.cat(parts)[order].split(sizes) for parts in (log_probs, entropy) if parts[0] is not None]
+        return list(per_sequence[0]), list(per_sequence[1]) if return_entropy else None
+
+    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int,
+                      offsets: np.ndarray) -> tuple[dict, np.ndarray, int]:
+        """One forward's inputs for these sequences (on the device), where its results go in the request's flat
+        results (whose sequence starts are `offsets`), and its cost in tokens."""
         lengths, starts = request.lengths[group], request.score_from[group]
         cost = self._cost(lengths, limit)
         width = int(lengths.max()) if self.layout == "padded" else cost
@@ -270,13 +311,7 @@ class LogProbWorker(WeightsHolder):
         dst = ragged_index(offsets[:-1][group], lengths - starts)
         tensors = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
         tensors["scored"] = torch.from_numpy(src).to(self.device)
-        out = self._forward(**tensors, compute_entropy=entropy is not None)
-        log_probs[dst] = out.log_probs.cpu().numpy()
-        if entropy is not None:
-            entropy[dst] = out.entropy.cpu().numpy()
-        self.stats["rows"] += 1
-        self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
-        return cost
+        return tensors, dst, cost
 
     def _forward(self, **inputs):
         return self.model(**inputs)
