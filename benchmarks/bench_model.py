@@ -30,6 +30,10 @@ QWEN25_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
     num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False,
 )
+QWEN25_1_5B = dict(
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+)
 TINY = dict(vocab_size=503, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
 

@@ -3,6 +3,7 @@
   python benchmarks/bench_pool.py --model DIR --workers 1     # overhead of the pool on one GPU
   python benchmarks/bench_pool.py --model DIR --workers 1 2   # and scaling, on a two-GPU machine
   python benchmarks/bench_pool.py --save-random DIR           # writes a random Qwen2.5-7B-shaped model to DIR
+  python benchmarks/bench_pool.py --save-random DIR --shape 1.5b                     # Qwen2.5-1.5B-shaped
   python benchmarks/bench_pool.py --tiny                      # CPU dry run
 """
 
@@ -35,13 +36,13 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def save_random(path: str) -> None:
-    from bench_model import QWEN25_7B  # the same directory
+def save_random(path: str, shape: str = "7b") -> None:
+    from bench_model import QWEN25_1_5B, QWEN25_7B  # the same directory
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_7B))
+        model = Qwen2ForCausalLM(Qwen2Config(**{"7b": QWEN25_7B, "1.5b": QWEN25_1_5B}[shape]))
     model.save_pretrained(path)
 
 
@@ -52,11 +53,12 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--save-random")
+    parser.add_argument("--shape", choices=["7b", "1.5b"], default="7b", help="of --save-random's Qwen2.5 model")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.save_random:
-        save_random(args.save_random)
+        save_random(args.save_random, args.shape)
         return
     tiny = args.tiny or args.model == "tiny"
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)

@@ -145,8 +145,8 @@ def main() -> None:
     for p in (policy, reference):
         p.shutdown()
     print(json.dumps({k: v for k, v in results.items() if k != "steps"}), flush=True)
-    print(f"{'options':<10}{'scoring s':>10}{'sync s':>8}{'sync %':>8}{'tok/s':>10}{'host dict s':>12}")
-    print(f"{json.dumps(changed) if changed else 'defaults':<10}{median['scoring_s']:>10.3f}{median['sync_s']:>8.3f}"
+    print(f"{'options':<24}{'scoring s':>10}{'sync s':>8}{'sync %':>8}{'tok/s':>10}{'host dict s':>12}")
+    print(f"{json.dumps(changed) if changed else 'defaults':<24}{median['scoring_s']:>10.3f}{median['sync_s']:>8.3f}"
           f"{100 * results['sync_share']:>8.1f}{results['scoring_tokens_per_s']:>10.0f}{host_state_dict_s:>12.3f}")
     if args.out:
         with open(args.out, "w") as f:

@@ -13,13 +13,7 @@ for m in ${MODELS:-tiny q15}; do
     timeout ${TINY_S:-560} python3 bench_gateway.py $COMMON --workers 4 --requests ${TINY_REQUESTS:-1200} \
       --out "$OUT/gateway_tiny_${INGRESS// /_}.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_tiny_${INGRESS// /_}.log" | tail -25
   else
-    [[ -d /tmp/q15 ]] || python3 -c "
-import torch; from transformers import Qwen2Config, Qwen2ForCausalLM
-torch.set_default_dtype(torch.bfloat16)
-cfg = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)
-with torch.device('cuda'): model = Qwen2ForCausalLM(cfg)
-model.save_pretrained('/tmp/q15')"
+    [[ -d /tmp/q15 ]] || python3 bench_pool.py --save-random /tmp/q15 --shape 1.5b
     timeout ${Q15_S:-560} python3 bench_gateway.py $COMMON --model /tmp/q15 --dtype bfloat16 --requests ${Q15_REQUESTS:-800} \
       --out "$OUT/gateway_q15_${INGRESS// /_}.json" 2>&1 | grep -v "^\s*$" | tee "$OUT/gateway_q15_${INGRESS// /_}.log" | tail -25
   fi

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(1)
     trainer_model = load_model(args.model, device=device, **options)
     trainer = LogProbWorker(trainer_model)  # the workers' forward, with gradients, in this process
-    optimizer = torch.optim.AdamW(trainer_model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(trainer_model.parameters(), lr=args.lr, fused=cuda)
     vocab = trainer_model.config.vocab_size
     initial = {n: p.detach().clone() for n, p in trainer_model.named_parameters()}
 
