@@ -7,7 +7,7 @@ STAGES=${STAGES:-tests loop15 weights step loop7}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 quiet() { grep -v -i "warn\|info\|object store\|^\s*$\|core_worker\|raylet"; }
 if [[ $STAGES == *tests* ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py tests/workers/weights \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py ${TESTS:-tests/workers/weights} \
     2>&1 | tee "$OUT/tests.log" | tail -3
 fi
 [[ -d /tmp/q15 || ! $STAGES == *loop15* ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b

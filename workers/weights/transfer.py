@@ -103,38 +103,45 @@ def _bucket_bytes(bucket: tuple[Entry, ...], tensors: dict[str, Tensor], device:
     if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
         return first.detach().view(-1).view(torch.uint8), False
     data = buffer(hi - lo)
+    from_host = []
     for entry in bucket:
         src = first if entry is bucket[0] else _as_full(tensors[entry.name])
         view = data[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
         if src.device.type == "cpu" and device.type == "cuda":
-            copy_from_host(view, src.detach())
+            from_host.append((view, src.detach()))
         else:
             view.copy_(src, non_blocking=True)
+    if from_host:
+        copy_from_host(from_host)
     return data, True
 
 
 _copiers: ThreadPoolExecutor | None = None
 
 
-def copy_from_host(dst: Tensor, src: Tensor) -> None:
-    """dst (CUDA, contiguous) = src (host memory, any dtype), chunk by chunk through the pinned buffers of
-    checkpoint reads, several chunks at once: each converted into a pinned buffer by a thread, then copied to the
-    device on that buffer's stream. The current stream waits for the copies (a pageable host tensor copied
-    straight to the device runs at a fraction of the bus's speed)."""
+def copy_from_host(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """dst = src for each (dst: CUDA, contiguous; src: host memory, any dtype) pair, in chunks through the pinned
+    buffers of checkpoint reads, several chunks (of any of the tensors) at once: each converted into a pinned buffer
+    by a thread, then copied to the device on that buffer's stream. The current stream waits for the copies (a
+    pageable host tensor copied straight to the device runs at a fraction of the bus's speed)."""
     global _copiers
     if _copiers is None:
         _copiers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="host-to-device")
-    src, flat = src.reshape(-1), dst.view(-1)
-    step = CHUNK_BYTES // max(dst.element_size(), src.element_size())
-    slots = pinned_slots(dst.device)
+    device = pairs[0][0].device
+    slots = pinned_slots(device)
+    jobs = []  # (flat destination, flat source, first element, elements)
+    for dst, src in pairs:
+        flat, src = dst.view(-1), src.reshape(-1)
+        step = CHUNK_BYTES // max(dst.element_size(), src.element_size())
+        jobs += [(flat, src, lo, min(step, flat.numel() - lo)) for lo in range(0, flat.numel(), step)]
 
-    def run(lo: int) -> torch.cuda.Event:
+    def run(job) -> torch.cuda.Event:
+        flat, src, lo, n = job
         buf, stream, done = slots.get()
         try:
             if done is not None:
                 done.synchronize()  # the last copy out of this buffer has finished
-            n = min(step, flat.numel() - lo)
-            pinned = buf[: n * dst.element_size()].view(dst.dtype)
+            pinned = buf[: n * flat.element_size()].view(flat.dtype)
             pinned.copy_(src[lo : lo + n])
             with torch.cuda.stream(stream):
                 flat[lo : lo + n].copy_(pinned, non_blocking=True)
@@ -144,8 +151,8 @@ def copy_from_host(dst: Tensor, src: Tensor) -> None:
         finally:
             slots.put((buf, stream, done))
 
-    current = torch.cuda.current_stream(dst.device)
-    for event in _copiers.map(run, range(0, flat.numel(), step)):
+    current = torch.cuda.current_stream(device)
+    for event in _copiers.map(run, jobs):
         current.wait_event(event)
 
 

@@ -22,8 +22,6 @@ def cluster():
     ray.shutdown()
 
 
-
-
 def weights_of(worker) -> dict:
     return ray.get(worker.__ray_call__.remote(lambda w: {n: p.cpu() for n, p in w.model.named_parameters()}))
 
@@ -79,5 +77,21 @@ def test_a_trainer_on_the_workers_gpu_shares_its_buckets_by_ipc(cluster):
         assert pool.update_weights(head) == 2  # a CUDA state dict, partial, the same way
         assert torch.equal(weights_of(pool.workers[0])["lm_head.weight"], head["lm_head.weight"].cpu())
         assert {r.weights_version for r in pool.compute_log_probs([[1, 2, 3, 4]])} == {2}
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_state_dict_goes_through_this_processs_gpu(cluster, dtype):
+    """Host tensors (a trainer offloading to the CPU) are converted and copied to this process's GPU through pinned
+    buffers, the chunks of a bucket's many tensors at once, then sent."""
+    pool = WorkerPool.create("tiny", 1, dtype=torch.bfloat16)
+    try:
+        model = perturbed(4)
+        state = {n: p.detach().to(dtype) for n, p in model.named_parameters()}  # in host memory
+        assert pool.update_weights(state) == 1
+        got = weights_of(pool.workers[0])
+        for name, p in state.items():
+            assert torch.equal(got[name], p.to(torch.bfloat16)), name
     finally:
         pool.shutdown()
