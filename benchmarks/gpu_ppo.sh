@@ -3,20 +3,24 @@
 # (default: all). Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-tests loop15 weights step loop7}
+STAGES=${STAGES:-tests loop15 weights step loop7}  # and big15: the 1.5B loop at 256 rollouts
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 quiet() { grep -v -i "warn\|info\|object store\|^\s*$\|core_worker\|raylet"; }
 if [[ $STAGES == *tests* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py ${TESTS:-tests/workers/weights} \
     2>&1 | tee "$OUT/tests.log" | tail -3
 fi
-[[ -d /tmp/q15 || ! $STAGES == *loop15* ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b
+[[ -d /tmp/q15 || ! $STAGES =~ loop15|big15 ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b
 [[ -d /tmp/q7 || ! $STAGES =~ weights|step|loop7 ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q7
 if [[ $STAGES == *loop15* ]]; then
   timeout 200 python3 examples/ppo_loop.py --model /tmp/q15 --steps 4 --out "$OUT/ppo_loop_q15.json" 2>&1 \
     | tee "$OUT/ppo_loop_q15.log" | quiet | tail -8
   timeout 150 python3 examples/ppo_loop.py --model /tmp/q15 --steps 2 --fast --out "$OUT/ppo_loop_q15_fast.json" 2>&1 \
     | tee "$OUT/ppo_loop_q15_fast.log" | quiet | tail -5
+fi
+if [[ $STAGES == *big15* ]]; then  # a larger step: the sync's fixed cost against more scoring and training
+  timeout 240 python3 examples/ppo_loop.py --model /tmp/q15 --steps 3 --rollouts 256 --out "$OUT/ppo_loop_q15_256.json" \
+    2>&1 | tee "$OUT/ppo_loop_q15_256.log" | quiet | tail -6
 fi
 if [[ $STAGES == *weights* ]]; then
   timeout 240 python3 benchmarks/bench_weights.py --model /tmp/q7 --reps 3 --out "$OUT/weights.json" 2>&1 \
@@ -29,6 +33,6 @@ if [[ $STAGES == *step* ]]; then
   done
 fi
 if [[ $STAGES == *loop7* ]]; then
-  timeout 400 python3 examples/ppo_loop.py --model /tmp/q7 --steps 3 --rollouts 32 --prompt 128 --response 512 \
-    --minibatches 8 --out "$OUT/ppo_loop_q7.json" 2>&1 | tee "$OUT/ppo_loop_q7.log" | quiet | tail -8
+  timeout ${LOOP7_S:-400} python3 examples/ppo_loop.py --model /tmp/q7 --steps 3 --rollouts 32 --prompt 128 --response 512 \
+    --minibatches 8 --lr 1e-5 --out "$OUT/ppo_loop_q7.json" 2>&1 | tee "$OUT/ppo_loop_q7.log" | quiet | tail -8
 fi
