@@ -19,7 +19,7 @@ if [[ $STAGES == *loop15* ]]; then
     | tee "$OUT/ppo_loop_q15_fast.log" | quiet | tail -5
 fi
 if [[ $STAGES == *big15* ]]; then  # a larger step: the sync's fixed cost against more scoring and training
-  timeout 240 python3 examples/ppo_loop.py --model /tmp/q15 --steps 3 --rollouts 256 --out "$OUT/ppo_loop_q15_256.json" \
+  timeout 240 python3 examples/ppo_loop.py --model /tmp/q15 --steps 3 --rollouts 256 --minibatches 16 --out "$OUT/ppo_loop_q15_256.json" \
     2>&1 | tee "$OUT/ppo_loop_q15_256.log" | quiet | tail -6
 fi
 if [[ $STAGES == *weights* ]]; then

@@ -6,6 +6,7 @@ A `Layout` places named tensors in one flat byte buffer; checkpoint reads and br
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Iterable
@@ -15,6 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import IncompatibleWeights
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 256  # bytes; every tensor starts at a multiple, so dtype views of the buffer are aligned
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -125,7 +128,9 @@ class StagedWeights:
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
-        if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < layout.nbytes + HEADROOM_BYTES:
+        if device.type == "cuda" and (free := torch.cuda.mem_get_info(device)[0]) < layout.nbytes + HEADROOM_BYTES:
+            log.warning("staging %.1f GiB of weights in host memory (%.1f GiB free on %s): this update is slower",
+                        layout.nbytes / 2**30, free / 2**30, device)
             self.device = torch.device("cpu")
         pin = device.type == "cuda" and self.device.type == "cpu"
         self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
