@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         trained = time.perf_counter()
         stats, loss = ppo_step(trainer, optimizer, seqs, starts, old, ref, advantages, minibatches=minibatches,
                                epochs=args.epochs, clip=args.clip, kl_coef=args.kl_coef, device=device)
+        optimizer.zero_grad(set_to_none=True)  # (the gradients are not needed until the next step)
         if cuda:  # give back what training cached, so the policy worker can stage the update on the GPU we share
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
