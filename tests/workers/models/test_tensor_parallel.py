@@ -106,6 +106,7 @@ def run(rank, port, cases, path):
         for family in ("qwen2", "gemma3"):
             check_built(rank, family)
         check_loaded(path)
+        dist.barrier()  # neither rank tears the group down while the other still uses it (a gloo abort at exit)
     finally:
         dist.destroy_process_group()
 
