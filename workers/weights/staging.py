@@ -128,12 +128,19 @@ class StagedWeights:
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
-        if device.type == "cuda" and (free := torch.cuda.mem_get_info(device)[0]) < layout.nbytes + HEADROOM_BYTES:
+        if device.type == "cuda" and (free := self._free(device)) < layout.nbytes + HEADROOM_BYTES:
             log.warning("staging %.1f GiB of weights in host memory (%.1f GiB free on %s): this update is slower",
                         layout.nbytes / 2**30, free / 2**30, device)
             self.device = torch.device("cpu")
         pin = device.type == "cuda" and self.device.type == "cpu"
         self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+
+    @staticmethod
+    def _free(device: torch.device) -> int:
+        """Free device memory, counting what this process holds cached and unused (scoring's last activations):
+        the allocator gives that back to the device when an allocation needs it."""
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
 
     def bytes_of(self, entry: Entry) -> Tensor:
         return self.buffer[entry.offset : entry.offset + entry.nbytes]
