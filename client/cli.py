@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 
@@ -30,6 +31,8 @@ def _completed_lines(path: str) -> int:
 
 
 def _read_input(path: str) -> list[dict]:
+    """The file's rows, each with its line number; a line that is not a JSON object with input_ids stops the
+    command, naming the line (the values themselves are checked against the model by _check)."""
     rows = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -37,39 +40,82 @@ def _read_input(path: str) -> list[dict]:
                 continue
             try:
                 row = json.loads(line)
-                ids = row["input_ids"]
-            except (ValueError, KeyError, TypeError):
-                raise SystemExit(f"{path}:{number}: expected a JSON object with 'input_ids'") from None
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise SystemExit(f"{path}:{number}: input_ids must be a list of integers")
-            rows.append({"input_ids": ids, "score_from": int(row.get("score_from", 1))})
+            except ValueError as e:
+                raise SystemExit(f"{path}:{number}: not JSON ({e})") from None
+            if not isinstance(row, dict) or "input_ids" not in row:
+                raise SystemExit(f"{path}:{number}: expected a JSON object with 'input_ids'")
+            rows.append({"input_ids": row["input_ids"], "score_from": row.get("score_from", 1), "line": number})
     return rows
 
 
+_INDEXED = re.compile(r"^(\w+)\[(\d+)\]")  # a contract message starts with the field and the sequence's index
+
+
+def _check(rows: list[dict], path: str, vocab_size: int, max_length: int, temperature: float) -> None:
+    """Every row against the model, once, before anything is sent: the first bad value stops the command, named by
+    its line in the file (the same checks the service runs)."""
+    from ppo_logprobs.workers.errors import RequestError
+    from ppo_logprobs.workers.request import ScoreRequest
+
+    if not rows:
+        return
+    try:
+        ScoreRequest.build([r["input_ids"] for r in rows], [r["score_from"] for r in rows], temperature,
+                           vocab_size=vocab_size, max_length=max_length)
+    except RequestError as e:
+        message = str(e)
+        if (found := _INDEXED.match(message)) is None:
+            raise SystemExit(f"{path}: {message}") from None
+        index = int(found.group(2))
+        message = found.group(1) + message[found.end():].replace(f"input_ids[{index}]", "input_ids")
+        line = rows[index]["line"]
+        raise SystemExit(f"{path}:{line}: {message}") from None
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file or PPO_LOGPROBS_API_KEY (never a flag: a command line shows in `ps`)."""
+    if args.api_key_file:
+        return open(args.api_key_file).read().strip() or None
+    return os.environ.get("PPO_LOGPROBS_API_KEY") or None
+
+
 def score(args: argparse.Namespace) -> None:
-    from .log_prob_client import LogProbClient
+    from .log_prob_client import LogProbClient, LogProbError
 
     rows = _read_input(args.input)
     done = _completed_lines(args.output)
     if done > len(rows):
         raise SystemExit(f"{args.output} has {done} lines but {args.input} only {len(rows)}: not its output")
-    total_tokens = sum(len(r["input_ids"]) for r in rows[done:])
-    tokens, start = 0, time.perf_counter()
-    with LogProbClient(args.url, api_key=args.api_key) as client, open(args.output, "a") as out:
-        for lo in range(done, len(rows), args.batch_sequences):
-            batch = rows[lo : lo + args.batch_sequences]
-            results = client.score([r["input_ids"] for r in batch], [r["score_from"] for r in batch],
-                                   args.temperature, model=args.model, return_entropy=not args.no_entropy)
-            for i, r in enumerate(results, lo):
-                line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
-                if r.entropy is not None:
-                    line["entropy"] = r.entropy.tolist()
-                out.write(json.dumps(line) + "\n")
-            out.flush()
-            tokens += sum(len(r["input_ids"]) for r in batch)
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
-            _write(sys.stderr, f"\r{lo + len(batch)}/{len(rows)} sequences, {tokens}/{total_tokens} tokens, "
-                               f"{rate:,.0f} tokens/s")
+    with LogProbClient(args.url, api_key=_api_key(args)) as client:
+        try:
+            models = client.models()
+        except LogProbError as e:
+            raise SystemExit(f"{args.url}: {e}") from None
+        info = next((m for m in models if m.name == args.model), None if args.model else models[0])
+        if info is None:
+            raise SystemExit(f"{args.url} serves no model {args.model!r} (it serves {[m.name for m in models]})")
+        _check(rows[done:], args.input, info.vocab_size, info.max_length, args.temperature)
+        total_tokens = sum(len(r["input_ids"]) for r in rows[done:])
+        tokens, start = 0, time.perf_counter()
+        with open(args.output, "a") as out:
+            for lo in range(done, len(rows), args.batch_sequences):
+                batch = rows[lo : lo + args.batch_sequences]
+                try:
+                    results = client.score([r["input_ids"] for r in batch], [r["score_from"] for r in batch],
+                                           args.temperature, model=info.name, return_entropy=not args.no_entropy)
+                except LogProbError as e:
+                    lines = f"{batch[0]['line']}-{batch[-1]['line']}"
+                    raise SystemExit(f"\n{args.input}:{lines}: the service refused these lines: {e}") from None
+                for i, r in enumerate(results, lo):
+                    line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
+                    if r.entropy is not None:
+                        line["entropy"] = r.entropy.tolist()
+                    out.write(json.dumps(line) + "\n")
+                out.flush()
+                tokens += sum(len(r["input_ids"]) for r in batch)
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                _write(sys.stderr, f"\r{lo + len(batch)}/{len(rows)} sequences, {tokens}/{total_tokens} tokens, "
+                                   f"{rate:,.0f} tokens/s")
     _write(sys.stderr, f"\nwrote {args.output} ({len(rows) - done} new lines, {done} kept from before)\n")
 
 
@@ -77,7 +123,7 @@ def bench(args: argparse.Namespace) -> None:
     from .log_prob_client import AsyncLogProbClient
 
     async def run() -> dict:
-        async with AsyncLogProbClient(args.url, api_key=args.api_key) as client:
+        async with AsyncLogProbClient(args.url, api_key=_api_key(args)) as client:
             models = await client.models()
             info = next((m for m in models if m.name == args.model), models[0])
             g = np.random.default_rng(0)
@@ -123,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--max-len", type=int, default=512)
     for q in (p, b):
         q.add_argument("--url", default=os.environ.get("PPO_LOGPROBS_URL", "http://127.0.0.1:8000"))
-        q.add_argument("--api-key", default=os.environ.get("PPO_LOGPROBS_API_KEY"))
+        q.add_argument("--api-key-file", help="a file holding the service's API key (default: $PPO_LOGPROBS_API_KEY)")
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:

@@ -37,7 +37,8 @@ def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
     if not scalar and len(value) != n:
         raise RequestError(f"{name} has {len(value)} entries for {n} sequences")
     values = np.asarray(value)
-    if values.dtype.kind not in ok or values.ndim != (0 if scalar else 1) or (kind is int and values.dtype.kind == "u"):
+    if (values.dtype.kind not in ok or values.ndim != (0 if scalar else 1) or (kind is int and values.dtype.kind == "u")
+            or _has_bools(value)):
         for i, v in enumerate([value] if scalar else value):
             where = name if scalar else f"{name}[{i}]"
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer, *(() if kind is int else
@@ -46,6 +47,11 @@ def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
             if kind is int and not _INT64[0] <= int(v) < _INT64[1]:
                 raise RequestError(f"{where} = {_value(v)} is out of range")
     return np.full(n, values, dtype=dtype) if scalar else values.astype(dtype)
+
+
+def _has_bools(values) -> bool:
+    """Whether a list holds a bool (which numpy would take as 0 or 1 beside integers); one pass over its types."""
+    return isinstance(values, list) and not set(map(type, values)).isdisjoint((bool, np.bool_))
 
 
 def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
@@ -58,8 +64,9 @@ def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
     if all(isinstance(s, np.ndarray) for s in input_ids):
         tokens = np.concatenate([s.reshape(-1) for s in input_ids])
     else:
+        flat = list(chain.from_iterable(input_ids))
         try:
-            tokens = np.asarray(list(chain.from_iterable(input_ids)))
+            tokens = np.zeros((0, 0)) if _has_bools(flat) else np.asarray(flat)
         except (TypeError, ValueError):  # not a list of lists of scalars
             tokens = np.zeros((0, 0))
     if tokens.size and tokens.dtype.kind not in "iu" or tokens.ndim != 1:

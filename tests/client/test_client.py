@@ -24,7 +24,6 @@ from ..helpers import alone, perturbed, random_sequences, save, serving
 CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
 
-
 @pytest.fixture(scope="module")
 def url():
     settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
@@ -266,6 +265,44 @@ def test_score_command_resumes_after_being_killed(url, tiny, tmp_path):
         lp, ent = alone(tiny, seq, 1 + i % 3)
         np.testing.assert_allclose(np.array(line["log_probs"], dtype=np.float32), lp, rtol=0, atol=1e-5)
         np.testing.assert_allclose(np.array(line["entropy"], dtype=np.float32), ent, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"input_ids": [1, true, 3]}', "input_ids[1] = True is not a token id (an integer)"),
+    ('{"input_ids": [1, 2, 3], "score_from": 1.9}', "score_from = 1.9 must be an integer"),
+    ('{"input_ids": [1, 2, 3], "score_from": "x"}', "score_from = 'x' must be an integer"),
+    ('{"input_ids": [1, 2, 3], "score_from": 4}', "score_from = 4 must be in [1, 3] (len(input_ids))"),
+    ('{"input_ids": [1, 2, 9999]}', "input_ids[2] = 9999 is outside the vocabulary [0, 503)"),
+    ('{"input_ids": "1 2 3"}', "input_ids = '1 2 3' is not a list of token ids"),
+    ('"x"', "expected a JSON object with 'input_ids'"),
+])
+def test_score_command_names_the_line_of_bad_input_in_one_line(url, tmp_path, line, message):
+    """Checked against the model before anything is sent: the file's line, the field and the value, no traceback."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"input_ids": [1, 2, 3]}\n\n' + line + "\n")
+    done = subprocess.run(CLI + ["score", str(src), "-o", str(out), "--url", url], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and done.stderr.strip() == f"{src}:3: {message}", done.stderr
+    assert not out.exists() or out.read_text() == ""
+
+
+def test_score_command_takes_the_key_from_the_environment_or_a_file_never_a_flag(url, tmp_path, tiny):
+    src, key = tmp_path / "in.jsonl", tmp_path / "key"
+    src.write_text('{"input_ids": [1, 2, 3]}\n')
+    key.write_text("k3y\n")
+    base = CLI + ["score", str(src), "--url", url + "/guarded"]
+    by_env = subprocess.run(base + ["-o", str(tmp_path / "a.jsonl")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PPO_LOGPROBS_API_KEY": "k3y"})
+    by_file = subprocess.run(base + ["-o", str(tmp_path / "b.jsonl"), "--api-key-file", str(key)],
+                             capture_output=True, text=True, timeout=120)
+    assert by_env.returncode == 0 and by_file.returncode == 0, (by_env.stderr, by_file.stderr)
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text() != ""
+    refused = subprocess.run(base + ["-o", str(tmp_path / "c.jsonl"), "--api-key", "k3y"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "unrecognized arguments: --api-key" in refused.stderr
+    without = subprocess.run(base + ["-o", str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k != "PPO_LOGPROBS_API_KEY"})
+    assert without.returncode == 1 and len(without.stderr.strip().splitlines()) == 1, without.stderr
 
 
 def test_bench_command(url):

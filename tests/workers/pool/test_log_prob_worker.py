@@ -159,6 +159,9 @@ def test_a_partial_update_changes_only_the_parameters_it_names(model):
         ([[1, 2]], [True], 1.0, r"score_from\[0\] = True must be an integer"),
         ([[1, 2], [3, 4]], 1, float("nan"), r"temperature\[0\] = nan"),
         ([[1, 2], [3.5, 4]], 1, 1.0, r"input_ids\[1\]\[0\] = 3.5 is not a token id"),
+        ([[1, 2], [3, True]], 1, 1.0, r"input_ids\[1\]\[1\] = True is not a token id"),  # (numpy would take 1)
+        ([[1, 2], [3, 4]], [1, True], 1.0, r"score_from\[1\] = True must be an integer"),
+        ([[1, 2], [3, 4]], [1, 1.9], 1.0, r"score_from\[1\] = 1.9 must be an integer"),
         ([list(range(300))], 1, 1.0, r"input_ids\[0\] has 300 tokens; this model takes at most 256"),
     ],
 )
