@@ -3,7 +3,8 @@
 Sources: a checkpoint directory (`pool.update_weights(path)`, page cache warm), a trainer's GPU tensors sent
 through an open `pool.weight_sender()`, a CUDA state dict passed to `pool.update_weights(state_dict)` (a sender
 opened and closed per call), and the same state dict copied to host memory (a trainer that offloads). The pool has
-the defaults unless --local-copy says otherwise; options that differ from the defaults go into the JSON and table. With two GPUs the trainer holds GPU 0 and the worker GPU 1 (NCCL); with one they share
+the defaults unless --local-copy says otherwise; options that differ from the defaults go into the JSON and table.
+With two GPUs the trainer holds GPU 0 and the worker GPU 1 (NCCL); with one they share
 it (CUDA IPC). Raw limits: a plain torch copy of the same bytes from GPU 0 to GPU 1 (or within the one GPU), an NCCL
 broadcast of the same bytes over the sender's own group (two GPUs), and, for the checkpoint, the page-cache read rate
 of its shards (8 threads, into pinned memory) and the pinned host-to-device copy rate, both in the worker's process.

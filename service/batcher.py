@@ -17,19 +17,9 @@ import numpy as np
 from ppo_logprobs.workers.errors import WeightsChanged
 from ppo_logprobs.workers.request import ScoreRequest, ScoreResult
 
+from .errors import Overloaded, WorkersTimedOut
+
 _VERSION_ATTEMPTS = 3  # re-asks of a request's parts answered with older weights than its other parts
-
-
-class WorkersTimedOut(RuntimeError):
-    """A worker call outlived request_timeout_s."""
-
-
-class Overloaded(Exception):
-    """The model's queue is full; the client should retry after `retry_after` seconds."""
-
-    def __init__(self, retry_after: float) -> None:
-        super().__init__(f"overloaded: retry after {retry_after:.0f} s")
-        self.retry_after = retry_after
 
 
 @dataclass(eq=False)

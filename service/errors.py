@@ -15,35 +15,30 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from ppo_logprobs.workers.errors import (
-    CheckpointNotFound,
-    IncompatibleWeights,
-    InvalidCheckpoint,
-    RequestError,
-    TooLarge,
-    UpdateFailed,
-    WeightsChanged,
-    WeightsUnavailable,
-    WorkerLost,
-    cause,
-    clip,
-)
-
-from .batcher import Overloaded, WorkersTimedOut
+from ppo_logprobs.workers.errors import ServiceError, Transient, cause, clip
 
 log = logging.getLogger("ppo_logprobs.service")
 
-_FAULTS: list[tuple[type, int]] = [  # the request's fault, most specific first
-    (TooLarge, 413), (RequestError, 422), (CheckpointNotFound, 404), (InvalidCheckpoint, 422),
-    (IncompatibleWeights, 409),
-]
-_TRANSIENT = (WorkersTimedOut, WeightsUnavailable, UpdateFailed, WeightsChanged, WorkerLost, RayActorError,
-              ActorUnavailableError)
+_RAY_TRANSIENT = (RayActorError, ActorUnavailableError)  # a worker restarting, as Ray says it
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-class NonFiniteResults(RuntimeError):
+class NonFiniteResults(ServiceError, RuntimeError):
     """The model produced NaN or infinite values (broken weights?); never sent to a client."""
+
+
+class WorkersTimedOut(Transient, RuntimeError):
+    """A worker call outlived request_timeout_s."""
+
+
+class Overloaded(Transient):
+    """The model's queue is full; the client should retry after `retry_after` seconds."""
+
+    status = 429
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"overloaded: retry after {retry_after:.0f} s")
+        self.retry_after = retry_after
 
 
 def one_line(text: str, limit: int = 300) -> str:
@@ -69,12 +64,12 @@ def to_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, (RequestValidationError, ValidationError)):
         return JSONResponse({"detail": one_line(_validation_detail(exc.errors()), 1000)}, status_code=422)
     if isinstance(exc, Overloaded):
-        return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": f"{exc.retry_after:.0f}"})
-    for kind, status in _FAULTS:
-        if isinstance(exc, kind):
-            return JSONResponse({"detail": one_line(str(exc))}, status_code=status)
-    if isinstance(exc, _TRANSIENT):
-        reason = one_line(str(exc), 200) if not isinstance(exc, RayActorError) else "a worker is restarting"
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status,
+                            headers={"Retry-After": f"{exc.retry_after:.0f}"})
+    if isinstance(exc, ServiceError) and exc.status < 500:  # the caller's fault (the type says so)
+        return JSONResponse({"detail": one_line(str(exc))}, status_code=exc.status)
+    if getattr(exc, "transient", False) or isinstance(exc, _RAY_TRANSIENT):
+        reason = one_line(str(exc), 200) if not isinstance(exc, _RAY_TRANSIENT) else "a worker is restarting"
         return JSONResponse({"detail": f"temporarily unavailable: {reason}; retry"}, status_code=503,
                             headers={"Retry-After": "1"})
     error_id = uuid.uuid4().hex[:12]

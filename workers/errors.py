@@ -9,24 +9,52 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class RequestError(ValueError):
+class ServiceError(Exception):
+    """Base of the errors raised on purpose. Each type says what it is: `status`, the HTTP answer it maps to (a 4xx
+    is the caller's fault, with a message naming what is wrong), and `transient`, whether the same call may succeed
+    later (clients retry those; a 503). The others are faults of the service (500)."""
+
+    status = 500
+    transient = False
+
+
+class CallersFault(ServiceError):
+    status = 400
+
+
+class Transient(ServiceError):
+    status = 503
+    transient = True
+
+
+class RequestError(CallersFault, ValueError):
     """Bad input, before any device work; the message names the field, the sequence and the value."""
+
+    status = 422
 
 
 class TooLarge(RequestError):
     """A sequence or request over the configured length limits."""
 
+    status = 413
 
-class BadWeights(ValueError):
+
+class BadWeights(CallersFault, ValueError):
     """A weight source the pool cannot take; nothing was changed."""
+
+    status = 409
 
 
 class CheckpointNotFound(BadWeights):
     """No checkpoint directory at the given path (or it cannot be read)."""
 
+    status = 404
+
 
 class InvalidCheckpoint(BadWeights):
     """The directory is not a usable safetensors checkpoint: no shards, a malformed header, a truncated file."""
+
+    status = 422
 
 
 class IncompatibleWeights(BadWeights):
@@ -42,21 +70,27 @@ def non_finite(name: str) -> NonFiniteWeights:
                             "its weights (allow_non_finite=True takes such weights)")
 
 
-class UpdateFailed(RuntimeError):
+class UpdateFailed(Transient, RuntimeError):
     """A weight update did not land (the sender died mid-stream, a worker failed): every worker kept its weights
     and version."""
 
 
-class WeightsUnavailable(RuntimeError):
-    """A worker has no weights to serve yet (restarted and not restored); transient."""
+class WeightsUnavailable(Transient, RuntimeError):
+    """A worker has no weights to serve yet (restarted and not restored)."""
 
 
-class WorkerLost(RuntimeError):
-    """A worker died more often than a call re-sent its share; transient (Ray restarts it)."""
+class WorkerLost(Transient, RuntimeError):
+    """A worker died more often than a call re-sent its share (Ray restarts it)."""
 
 
-class WeightsChanged(RuntimeError):
-    """The weights changed under a call more often than it re-asked; transient."""
+class WeightsChanged(Transient, RuntimeError):
+    """The weights changed under a call more often than it re-asked."""
+
+
+class OutOfMemoryInForward(ServiceError, RuntimeError):
+    """A rank of a tensor-parallel worker ran out of memory inside a forward: the other ranks are left waiting in its
+    collectives, so the forward cannot be split where it failed; the leader runs the call again in a new group,
+    every rank then splitting forwards of that size up front (RankGroup._agree_room)."""
 
 
 def cause(error: BaseException) -> BaseException:

@@ -23,7 +23,15 @@ from pathlib import Path
 import ray
 import torch
 
-from ..errors import RequestError, TooLarge, UpdateFailed, WeightsUnavailable, WorkerLost, get
+from ..errors import (
+    OutOfMemoryInForward,
+    RequestError,
+    TooLarge,
+    UpdateFailed,
+    WeightsUnavailable,
+    WorkerLost,
+    get,
+)
 from ..head.vocab_parallel import sum_over
 from ..models import patch_model
 from ..models.tensor_parallel import connect
@@ -40,12 +48,6 @@ _OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each ti
 # what the other ranks run in their staging thread, as the leader does (its pool's owner calls it there)
 _STAGING_CALLS = frozenset({"stage_checkpoint", "stage_stream", "stage_shared", "check_staged", "join_group",
                             "open_sender", "send_weights"})
-
-
-class OutOfMemoryInForward(RuntimeError):
-    """A rank ran out of memory inside a forward: the other ranks are left waiting in its collectives, so the
-    forward cannot be split where it failed; the leader runs the call again in a new group, every rank then
-    splitting forwards of that size up front (RankGroup._agree_room)."""
 
 
 class RankGroup:
