@@ -76,3 +76,14 @@ def serving(num_cpus, apps):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def scoring_now(worker, timeout_s: float = 120.0) -> None:
+    """Returns once `worker` (a pool's actor) is inside a scoring call, asked in its staging thread, which answers
+    beside the call: a kill made next lands mid-call."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ray.get(worker.__ray_call__.options(concurrency_group="staging").remote(lambda w: w.scoring)):
+        assert time.monotonic() < deadline, "the worker did not start scoring"
+        time.sleep(0.005)

@@ -9,12 +9,13 @@ import time
 import httpx
 import numpy as np
 import pytest
+import ray
 from ray import serve
 
 from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, perturbed, random_sequences, save, serving
+from ..helpers import alone, perturbed, random_sequences, save, scoring_now, serving
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +197,8 @@ def test_a_worker_killed_under_load(server, tiny, checkpoint):
     requests = [random_sequences(2, seed=300 + i, lo=100, hi=400) for i in range(24)]
     pid = next(w["pid"] for w in httpx.get(server + "/v1/health").json()["models"]["policy"])
 
-    def kill_soon():
-        time.sleep(0.3)
+    def kill_soon():  # once the worker is scoring the requests (mid-call)
+        scoring_now(ray.get_actor("gw-main:policy:worker:0", namespace="ppo_logprobs"))
         os.kill(pid, signal.SIGKILL)
 
     async def run():

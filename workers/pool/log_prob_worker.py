@@ -142,6 +142,7 @@ class LogProbWorker(WeightsHolder):
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
         self.stats = dict(calls=0, tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
+        self.scoring = 0
         if cuda and getattr(self.model, "tp_shard", None) is None:  # (a rank warms up once in its group)
             self._warm_up()
 
@@ -172,6 +173,7 @@ class LogProbWorker(WeightsHolder):
             weights_version=self.weights_version,
             max_tokens_per_batch=self.max_tokens_per_batch,
             pid=os.getpid(),
+            scoring=self.scoring,
             **self.stats,
         )
 
@@ -201,9 +203,17 @@ class LogProbWorker(WeightsHolder):
                                      vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
         return self.score_request(request).sequences()
 
-    @torch.no_grad()
     def score_request(self, request: ScoreRequest) -> ScoreResult:
-        """Scores a validated request (the pool's and the gateway's path)."""
+        """Scores a validated request (the pool's and the gateway's path). `scoring` counts the calls under way
+        (info() reports it; a test kills a worker once it is)."""
+        self.scoring += 1
+        try:
+            return self._score_request(request)
+        finally:
+            self.scoring -= 1
+
+    @torch.no_grad()
+    def _score_request(self, request: ScoreRequest) -> ScoreResult:
         if self.weights_version is None:
             raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
         lengths, scored = request.lengths, request.scored

@@ -198,7 +198,8 @@ class WeightOwner:
                 if i != index:
                     try:
                         peer_info = await asyncio.wait_for(w.info.remote(), 30)
-                    except Exception:
+                    except Exception:  # dead or hung: not a peer to restore from; the others may be
+                        log.info("worker %d did not answer; not restoring worker %d from it", i, index, exc_info=True)
                         continue
                     if peer_info["weights_version"] == version:
                         peers.append(w)
@@ -214,7 +215,8 @@ class WeightOwner:
                     )
             except WeightsUnavailable:
                 raise
-            except Exception as e:
+            except Exception as e:  # the caller retries later (a 503); the log keeps what went wrong
+                log.warning("restoring worker %d to version %d failed", index, version, exc_info=True)
                 raise WeightsUnavailable(f"restoring a restarted worker failed: {cause(e)}") from None
             return await worker.commit.remote(version)
 
@@ -225,6 +227,8 @@ class WeightOwner:
         except Exception:
             if "keep" not in self.source or "path" not in self.source:
                 raise
+            log.info("the checkpoint of version %d cannot be read; restoring from the local copy", version,
+                     exc_info=True)
             await self._read(worker, self.source["keep"], version)
 
     async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:

@@ -171,7 +171,8 @@ class RankGroup:
                 ooms, failures = ooms + oom, failures + (not oom)
                 if failures == _ATTEMPTS or ooms == _OOM_RUNS:
                     raise WorkerLost(f"a tensor-parallel worker failed {failures + ooms} times: {e}") from e
-                log.warning("a rank of this worker failed (%s: %s); forming its group again", type(e).__name__, e)
+                log.warning("a rank of this worker failed (%s: %s); forming its group again", type(e).__name__, e,
+                            exc_info=not oom)
                 self._group = None
 
     def _score_group(self, request, group, limit, *out) -> int:

@@ -392,7 +392,7 @@ class WorkerPool:
             try:
                 ranks += actors(ray.get(w.followers_of.remote(), timeout=30))
             except Exception:  # a dead leader: its ranks go with their placement group's removal below
-                pass
+                log.info("a worker did not name its ranks; they go with the placement group", exc_info=True)
         for w in ranks:
             ray.kill(w, no_restart=True)
         try:

@@ -3,6 +3,7 @@ committed or aborted on the pool owner's word; a worker can also stream its own 
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
@@ -22,6 +23,7 @@ from .transfer import (
     serve_store,
 )
 
+log = logging.getLogger(__name__)
 
 class WeightsHolder:
     """Mixed into LogProbWorker: needs `self.model` and keeps `self.weights_version` (None: no weights yet)."""
@@ -108,7 +110,8 @@ class WeightsHolder:
                 receive_tensors(pg, staged, bucket_bytes)
             else:
                 receive_parts(pg, layout, staged, parts, device, bucket_bytes)
-        except Exception as e:
+        except Exception as e:  # the update is refused (nothing changes); the log keeps what broke
+            log.warning("the weight stream of group %s broke off", group, exc_info=True)
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
         self._staged = (version, staged, None)

@@ -22,7 +22,7 @@ from ppo_logprobs.workers.request import ScoreRequest
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
 from ppo_logprobs.workers.weights.keep import PARTS_FILE, rank_copy
 
-from ...helpers import alone, perturbed, random_sequences, save
+from ...helpers import alone, perturbed, random_sequences, save, scoring_now
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_the_loss_of_a_rank_is_survived(pool, which, during):
     pid = ray.get(victim.info.remote())["pid"]
     call = pool.compute_log_probs_async(seqs) if during else None
     if during:
-        time.sleep(1.0)
+        scoring_now(victim)  # its forwards under way
     ray.kill(victim, no_restart=False)
     results = ray.get(call) if during else pool.compute_log_probs(seqs)
     assert_matches(results, seqs, load_model("tiny", backend="torch"))

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import ray
 
 from ppo_logprobs.workers import WorkerPool, load_model
 
-from ...helpers import alone, perturbed, random_sequences
+from ...helpers import alone, perturbed, random_sequences, scoring_now
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +73,8 @@ def test_update_weights_then_an_actor_killed_mid_call(pool):
     seqs = random_sequences(400, seed=12, lo=100, hi=250)
     pid = pool.health()[0]["pid"]
     ref = pool.compute_log_probs_async(seqs)
-    time.sleep(0.5)
-    ray.kill(pool.workers[0], no_restart=False)  # Ray restarts it with its initial weights
+    scoring_now(pool.workers[0])
+    ray.kill(pool.workers[0], no_restart=False)  # mid-call; Ray restarts it with its initial weights
     results = ray.get(ref, timeout=300)
     assert_matches(results, seqs, new, version=version)  # complete, in order, with the current weights
     after = pool.health()
