@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start the gateway and its workers (flags: serve --help)", add_help=False)
 
-    p = sub.add_parser("score", help="score a JSONL file of sequences through a running service")
+    # (no abbreviated flags: `--api-key K` would be taken as --api-key-file)
+    p = sub.add_parser("score", help="score a JSONL file of sequences through a running service", allow_abbrev=False)
     p.add_argument("input", help='JSONL, one {"input_ids": [...], "score_from": k} per line (score_from optional)')
     p.add_argument("-o", "--output", required=True, help="JSONL results, one per input line; resumed if present")
     p.add_argument("--model", help="served model name (default: the service's first)")
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-entropy", action="store_true")
     p.add_argument("--batch-sequences", type=int, default=256, help="sequences per call (and per flush)")
 
-    b = sub.add_parser("bench", help="throughput of a running service: random requests from concurrent clients")
+    b = sub.add_parser("bench", help="throughput of a running service: random requests from concurrent clients",
+                       allow_abbrev=False)
     b.add_argument("--model")
     b.add_argument("--requests", type=int, default=200)
     b.add_argument("--clients", type=int, default=16)
