@@ -1,49 +1,20 @@
 """The fused LM head: per-token log-probabilities and entropies without materialising [tokens, vocab] logits.
 
-One public entry point (`fused_log_probs`), one autograd Function, options in `HeadOptions`, and the backend
-chosen in `resolve_backend` alone.
+One public entry point (`fused_log_probs`) and one autograd Function; the options and the backends are in
+backends.py, the vocabulary split across ranks in vocab_parallel.py (both below this module).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+from .backends import Backend, HeadOptions, backend_backward, backend_forward, resolve_backend
+from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
-Backend = Literal["auto", "torch", "triton"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class HeadOptions:
-    backend: Literal["torch", "triton"]
-    ignore_index: int = -100
-    compute_entropy: bool = True
-    chunk_size: int = 512  # tokens per chunk of the torch backend
-    softcap: float | None = None  # final-logit softcapping: logits -> softcap * tanh(logits / softcap)
-
-
-def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
-    """"auto" is Triton on CUDA and torch elsewhere. Triton on the CPU needs TRITON_INTERPRET=1."""
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "torch":
-        return "torch"
-    if backend == "triton":
-        from .triton_log_probs_forward import interpreting
-
-        if device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"backend='triton' needs CUDA tensors (got {device.type}); use backend='torch' or 'auto', "
-                "or set TRITON_INTERPRET=1 before importing ppo_logprobs to run the kernel on the CPU"
-            )
-        return "triton"
-    raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
@@ -112,30 +83,6 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
     return torch.full((labels.numel(),), 1.0 / value, dtype=torch.float32, device=labels.device)
 
 
-def backend_forward(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions, *,
-                    ignore_index: int) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The chosen backend's forward on flattened inputs: (log_probs, entropy or None, lse)."""
-    kwargs = dict(ignore_index=ignore_index, compute_entropy=opts.compute_entropy, softcap=opts.softcap)
-    if opts.backend == "triton":
-        from .triton_log_probs_forward import triton_log_probs_forward
-
-        return triton_log_probs_forward(hidden, weight, labels, inv_temp, **kwargs)
-    return torch_log_probs_forward(hidden, weight, labels, inv_temp, chunk_size=opts.chunk_size, **kwargs)
-
-
-def backend_backward(saved: tuple[Tensor, ...], grad_log_probs: Tensor | None, grad_entropy: Tensor | None,
-                     opts: HeadOptions, *, ignore_index: int, need_hidden: bool, need_weight: bool
-                     ) -> tuple[Tensor | None, Tensor | None]:
-    """The chosen backend's backward; `saved` is (hidden, weight, labels, inv_temp, lse, entropy)."""
-    kwargs = dict(ignore_index=ignore_index, need_hidden=need_hidden, need_weight=need_weight, softcap=opts.softcap)
-    args = (*saved, grad_log_probs, grad_entropy)
-    if opts.backend == "triton":
-        from .triton_log_probs_backward import triton_log_probs_backward
-
-        return triton_log_probs_backward(*args, **kwargs)
-    return torch_log_probs_backward(*args, chunk_size=opts.chunk_size, **kwargs)
-
-
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions):
@@ -194,7 +141,6 @@ def fused_log_probs(
     if opts.softcap is not None and not (math.isfinite(opts.softcap) and opts.softcap > 0):
         raise ValueError(f"softcap must be None or a positive finite number, got {softcap}")
     if process_group is not None:
-        from .vocab_parallel import vocab_parallel_log_probs, vocab_split  # (it builds on this module)
 
         start, vocab = vocab_split(weight, process_group)
     else:

@@ -15,11 +15,9 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
+from ..sharding import head_dim
+
 NAME = "ppo_varlen"
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def model_allows(model: nn.Module) -> str | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import ray
 import torch
 
+from ..distributed import sum_over
 from ..errors import (
     OutOfMemoryInForward,
     RequestError,
@@ -32,7 +33,6 @@ from ..errors import (
     WorkerLost,
     get,
 )
-from ..head.vocab_parallel import sum_over
 from ..models import patch_model
 from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult

@@ -27,8 +27,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
-from ..models.tensor_parallel import check_shardable
 from ..request import ScoreRequest, ScoreResult, SequenceScores
+from ..sharding import check_shardable
 from ..weights.keep import rank_copy
 from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, STAGING, WeightOwner, actors

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import IncompatibleWeights
+from ..sharding import part_of
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,6 @@ def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str
     shard = getattr(model, "tp_shard", None)
     if shard is None:
         return {name: (name, None) for name in shapes}
-    from ..models.tensor_parallel import part_of  # (the models layer says how each tensor splits)
-
     sources = {name: name for name in shapes}
     if getattr(model, "tp_tied", False):
         params = dict(model.named_parameters())

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 import transformers
 
 from ppo_logprobs.workers import load_model, patch_model
-from ppo_logprobs.workers.head.vocab_parallel import sum_over
+from ppo_logprobs.workers.distributed import sum_over
 from ppo_logprobs.workers.models.tensor_parallel import (
     build_sharded,
     check_shardable,
