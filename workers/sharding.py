@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from .families import FAMILIES as ALL_FAMILIES
+
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -24,7 +26,7 @@ SPLITS: dict[str, Split] = {
     "mlp.down_proj.weight": "columns",
     "lm_head.weight": "vocab",
 }
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+FAMILIES = tuple(name for name, family in ALL_FAMILIES.items() if family.tensor_parallel)
 
 
 def check_shardable(config, size: int) -> None:

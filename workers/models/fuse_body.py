@@ -14,6 +14,7 @@ from functools import partial
 
 from torch import Tensor, nn
 
+from ..families import FAMILIES
 from ..head import Backend, resolve_backend
 from . import varlen_attention
 from .rms_norm import rms_norm
@@ -21,16 +22,10 @@ from .rotary import rotary, rotary_reference
 from .silu_mul import silu_mul
 
 # RMSNorm classes -> (formula, the attribute holding eps): see rms_norm.py
-_NORMS: dict[str, tuple[str, str]] = {
-    **{f"{f}RMSNorm": ("llama", "variance_epsilon") for f in ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")},
-    **{f"{f}RMSNorm": ("gemma", "eps") for f in ("Gemma2", "Gemma3")},
-}
+_NORMS = {f"{f.prefix}RMSNorm": f.norm for f in FAMILIES.values() if f.norm}  # class name -> (style, eps)
 # Attention classes (separate q/k/v/o projections, rotary on the whole head, optional q_norm/k_norm) -> where the
 # sliding window they pass to the attention function comes from: the module, its config, or nowhere
-_ATTENTIONS: dict[str, str] = {
-    "LlamaAttention": "none", "MistralAttention": "config", "Qwen2Attention": "module", "Qwen3Attention": "module",
-    "Gemma3Attention": "module",
-}
+_ATTENTIONS = {f"{f.prefix}Attention": f.window for f in FAMILIES.values() if f.window}
 
 
 def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers.masking_utils import find_packed_sequence_indices
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..families import FAMILIES
 from ..head import Backend, fused_log_probs
 from . import varlen_attention
 from .fuse_body import fuse_body
@@ -35,15 +36,6 @@ _IGNORE = -100
 # model_type -> how its head differs from `hidden @ lm_head.weight.T`, as data: the config field holding a
 # final-logit softcap that the fused head applies (Gemma 2 and 3). A family not listed is refused, never scored
 # approximately (e.g. Cohere's logit_scale, Granite's logits_scaling).
-_HEADS: dict[str, dict[str, str]] = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": {},
-    "phi3": {},
-    "gemma2": {"softcap": "final_logit_softcapping"},
-    "gemma3_text": {"softcap": "final_logit_softcapping"},
-}
 
 
 @dataclass
@@ -60,17 +52,17 @@ def head_softcap(model: nn.Module) -> float | None:
     config = model.config
     family = getattr(config, "model_type", None)
     name = type(model).__name__
-    if family not in _HEADS:
+    if family not in FAMILIES:
         raise ValueError(
             f"cannot patch {name} (model_type {family!r}): its LM head is not known to be a plain linear layer "
-            f"or one of the variants the fused head applies (supported: {', '.join(_HEADS)})"
+            f"or one of the variants the fused head applies (supported: {', '.join(FAMILIES)})"
         )
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"cannot patch {name}: its output embedding is {type(head).__name__}, not nn.Linear")
     if head.bias is not None:
         raise ValueError(f"cannot patch {name}: its LM head has a bias, which the fused head does not add")
-    field = _HEADS[family].get("softcap")
+    field = FAMILIES[family].softcap
     softcap = getattr(config, field, None) if field else None
     return None if softcap is None else float(softcap)
 

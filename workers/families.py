@@ -1,0 +1,34 @@
+"""The decoder families the project patches, in one table: adding a family is one entry here (and its tests).
+
+For each HF `model_type`: the class-name prefix of its modules (`<prefix>RMSNorm`, `<prefix>Attention`), the config
+field of its final-logit softcap, how its RMSNorm scales (fused when known), where its attention's sliding window
+comes from (fused when known: the module, its config, or none), and whether it runs tensor parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Family:
+    prefix: str
+    softcap: str | None = None  # config field of the final-logit softcap (the head applies it)
+    norm: tuple[Literal["llama", "gemma"], str] | None = None  # (scaling style, epsilon attribute) of its RMSNorm
+    window: Literal["none", "config", "module"] | None = None  # its attention, fused; None: HF's own forward
+    tensor_parallel: bool = False
+
+
+_LLAMA_NORM = ("llama", "variance_epsilon")
+_GEMMA_NORM = ("gemma", "eps")
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama", norm=_LLAMA_NORM, window="none", tensor_parallel=True),
+    "mistral": Family("Mistral", norm=_LLAMA_NORM, window="config", tensor_parallel=True),
+    "qwen2": Family("Qwen2", norm=_LLAMA_NORM, window="module", tensor_parallel=True),
+    "qwen3": Family("Qwen3", norm=_LLAMA_NORM, window="module", tensor_parallel=True),
+    "phi3": Family("Phi3", norm=_LLAMA_NORM),
+    "gemma2": Family("Gemma2", softcap="final_logit_softcapping", norm=_GEMMA_NORM),
+    "gemma3_text": Family("Gemma3", softcap="final_logit_softcapping", norm=_GEMMA_NORM, window="module",
+                          tensor_parallel=True),
+}
