@@ -17,13 +17,13 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 
 from ppo_logprobs.service.schemas import ModelInfo
 from ppo_logprobs.service.wire import BINARY, decode_binary
+from ppo_logprobs.workers.request import SequenceScores
 
 RETRY_STATUSES = (429, 503)
 _VERSION_ATTEMPTS = 3  # re-asks of the parts of a split call that came back with older weights
@@ -38,11 +38,7 @@ class LogProbError(RuntimeError):
         self.detail = detail
 
 
-@dataclass
-class SequenceLogProbs:
-    log_probs: np.ndarray  # float32; entry k scores token score_from + k
-    entropy: np.ndarray | None
-    weights_version: int
+SequenceLogProbs = SequenceScores  # (the client's name for it: one per-sequence result type everywhere)
 
 
 def _chunks(input_ids: Sequence[Sequence[int]], limit: int | None) -> list[range]:
