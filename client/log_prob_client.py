@@ -23,10 +23,9 @@ import numpy as np
 
 from ppo_logprobs.service.schemas import ModelInfo
 from ppo_logprobs.service.wire import BINARY, decode_binary
-from ppo_logprobs.workers.request import SequenceScores
+from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale_parts
 
 RETRY_STATUSES = (429, 503)
-_VERSION_ATTEMPTS = 3  # re-asks of the parts of a split call that came back with older weights
 
 
 class LogProbError(RuntimeError):
@@ -77,15 +76,13 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit) ->
 
 
 def _stale_parts(answers: list[dict]) -> list[int]:
-    """The parts of a split call answered with older weights than the newest part (a reload landed between)."""
-    newest = max(a["weights_version"] for a in answers)
-    return [i for i, a in enumerate(answers) if a["weights_version"] != newest]
+    return stale_parts([a["weights_version"] for a in answers])
 
 
 def _mixed_versions(answers: list[dict]) -> LogProbError:
     versions = sorted({a["weights_version"] for a in answers})
     return LogProbError(503, f"the weights changed while the parts of this call were scored (versions {versions}), "
-                             f"{_VERSION_ATTEMPTS} times; retry")
+                             f"{VERSION_ATTEMPTS} times; retry")
 
 
 def _results(responses: list[dict]) -> list[SequenceLogProbs]:
@@ -188,7 +185,7 @@ class LogProbClient(_Base):
             self._limits[model] = self._limit_from(self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
         answers = [self._call("POST", "/logprobs", b) for b in bodies]
-        for _ in range(_VERSION_ATTEMPTS):
+        for _ in range(VERSION_ATTEMPTS):
             for i in _stale_parts(answers):
                 answers[i] = self._call("POST", "/logprobs", bodies[i])
         if _stale_parts(answers):
@@ -256,7 +253,7 @@ class AsyncLogProbClient(_Base):
             self._limits[model] = self._limit_from(await self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
         answers = list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies)))
-        for _ in range(_VERSION_ATTEMPTS):
+        for _ in range(VERSION_ATTEMPTS):
             stale = _stale_parts(answers)
             again = await asyncio.gather(*(self._call("POST", "/logprobs", bodies[i]) for i in stale))
             for i, answer in zip(stale, again, strict=True):

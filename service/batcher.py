@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ppo_logprobs.workers.errors import WeightsChanged
-from ppo_logprobs.workers.request import ScoreRequest, ScoreResult
+from ppo_logprobs.workers.request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
 
 from .errors import Overloaded, WorkersTimedOut
-
-_VERSION_ATTEMPTS = 3  # re-asks of a request's parts answered with older weights than its other parts
 
 
 @dataclass(eq=False)
@@ -154,18 +152,18 @@ class Batcher:
         its newest part are queued again."""
         if item.future.done() or sum(hi - lo for lo, hi, _ in item.parts) < len(item.request):
             return
-        newest = max(r.weights_version for _, _, r in item.parts)
-        stale = [(lo, hi) for lo, hi, r in item.parts if r.weights_version != newest]
-        if not stale:
+        late = stale_parts([r.weights_version for _, _, r in item.parts])
+        if not late:
             parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
             item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
                                     item.calls_waited or 0))
             return
-        if item.attempts >= _VERSION_ATTEMPTS:
+        if item.attempts >= VERSION_ATTEMPTS:
             item.future.set_exception(WeightsChanged(f"the weights changed during the request {item.attempts} times"))
             return
         item.attempts += 1
-        item.parts = [p for p in item.parts if p[2].weights_version == newest]
-        item.todo.extend(stale)
+        item.todo.extend(item.parts[i][:2] for i in late)
+        stale = set(late)
+        item.parts = [p for i, p in enumerate(item.parts) if i not in stale]
         self.waiting.append(item)
         self._wake.set()

@@ -182,6 +182,17 @@ def ragged_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
 
 
+VERSION_ATTEMPTS = 3  # how often a call made of parts asks again those answered with older weights than the newest
+
+
+def stale_parts(versions: Sequence[int]) -> list[int]:
+    """The parts (by index) answered with older weights than the newest part: an update landed between them, so
+    they are asked again (up to VERSION_ATTEMPTS times), never merged with the newer ones. The one policy of the
+    pool, the gateway's batcher and the HTTP client."""
+    newest = max(versions)
+    return [i for i, v in enumerate(versions) if v != newest]
+
+
 @dataclass
 class SequenceScores:
     """One sequence's result: entry k is for token seq[score_from + k] given seq[:score_from + k]."""

@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
-from ..request import ScoreRequest, ScoreResult, SequenceScores
+from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, SequenceScores, stale_parts
 from ..sharding import check_shardable
 from ..weights.keep import rank_copy
 from .log_prob_worker import LogProbWorker
@@ -154,11 +154,11 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest) -> ScoreRes
                 raise cause(e) from None
             done.append((share, w, attempt, result))
         if not pending:
-            newest = max(r.weights_version for *_, r in done)
-            stale = [d for d in done if d[3].weights_version != newest]
-            if stale and max(d[2] for d in stale) >= _ATTEMPTS:
-                raise WeightsChanged(f"the weights changed during the call {_ATTEMPTS} times; retry")
-            done = [d for d in done if d[3].weights_version == newest]
+            late = set(stale_parts([r.weights_version for *_, r in done]))
+            stale = [d for i, d in enumerate(done) if i in late]
+            if stale and max(d[2] for d in stale) > VERSION_ATTEMPTS:
+                raise WeightsChanged(f"the weights changed during the call {VERSION_ATTEMPTS} times; retry")
+            done = [d for i, d in enumerate(done) if i not in late]
             for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
                 await asyncio.sleep(0.01 * attempt)
                 submit(share, w, attempt + 1)
