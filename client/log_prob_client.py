@@ -6,7 +6,7 @@ and reads are retried on transport errors (a dropped connection, a timeout), on 
 that Serve's proxy gave instead of the gateway (no X-Replica header: the ingress replica was lost), after their
 Retry-After or an exponential backoff, with random jitter so that many clients do not retry in step; a reload
 (not idempotent), a 4xx and the gateway's own 500 are never retried. Anything that is not retried raises LogProbError
-with the server's message. Results come as float32 bytes (`binary=True`, the default; see service/wire.py) or
+with the server's message. Results come as float32 bytes (`binary=True`, the default; see workers/wire.py) or
 as JSON text.
 """
 
@@ -21,9 +21,8 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
-from ppo_logprobs.service.schemas import ModelInfo
-from ppo_logprobs.service.wire import BINARY, decode_binary
 from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale_parts
+from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
 RETRY_STATUSES = (429, 503)
 

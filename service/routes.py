@@ -15,10 +15,10 @@ from prometheus_client import generate_latest
 
 from ppo_logprobs.workers.errors import TooLarge
 from ppo_logprobs.workers.request import ScoreRequest
+from ppo_logprobs.workers.wire import BINARY, encode_binary, encode_json
 
 from .errors import NonFiniteResults, one_line, to_response
 from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest
-from .wire import BINARY, encode_binary, encode_json
 
 router = APIRouter()
 

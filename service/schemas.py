@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+from ppo_logprobs.workers.wire import ModelInfo
+
 
 class LogProbsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,14 +37,6 @@ class LogProbsResponse(BaseModel):
     weights_version: int
     results: list[SequenceResult]
     usage: Usage
-
-
-class ModelInfo(BaseModel):
-    name: str
-    vocab_size: int
-    max_length: int = Field(..., description="tokens in one sequence")
-    max_request_tokens: int = Field(..., description="tokens in one request; clients split larger batches")
-    weights_version: int
 
 
 class ModelList(BaseModel):

@@ -285,7 +285,7 @@ def test_bodies_over_the_limit_are_refused_before_parsing(server):
 
 
 def test_binary_results_are_the_json_results_bitwise(server):
-    from ppo_logprobs.service.wire import BINARY, decode_binary
+    from ppo_logprobs.workers.wire import BINARY, decode_binary
 
     seqs = random_sequences(7, seed=501, hi=90)
     body = {"input_ids": seqs, "score_from": [1 + i % 3 for i in range(7)], "temperature": 0.7}

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from ppo_logprobs.service.wire import BINARY
+from ppo_logprobs.workers.wire import BINARY
 
 from ..helpers import free_port, random_sequences
 from .test_gateway import MALFORMED

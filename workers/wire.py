@@ -4,7 +4,8 @@ float32) or, when the client's Accept header names BINARY, a compact binary body
 BINARY body: a little-endian uint32 n, n bytes of JSON header {"model", "weights_version", "usage", "sequences",
 "entropy": bool}, then int64 offsets [sequences + 1], float32 log_probs [offsets[-1]], and float32 entropy of the
 same length when the header says so. Sequence i's values are [offsets[i], offsets[i + 1]). About 4 bytes per scored
-token per array, against about 10-11 as JSON text. Imports numpy and orjson only (the client uses it too).
+token per array, against about 10-11 as JSON text. Also what a served model is (ModelInfo). Part of the contract
+between the gateway and its clients: imports numpy, orjson and pydantic only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 
 import numpy as np
 import orjson
+from pydantic import BaseModel, Field
 
 BINARY = "application/x-ppo-logprobs"
 
@@ -52,3 +54,11 @@ def decode_binary(body: bytes) -> tuple[dict, np.ndarray, np.ndarray | None, np.
     except (struct.error, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed {BINARY} body: {e}") from None
     return header, log_probs, entropy, offsets
+
+
+class ModelInfo(BaseModel):
+    name: str
+    vocab_size: int
+    max_length: int = Field(..., description="tokens in one sequence")
+    max_request_tokens: int = Field(..., description="tokens in one request; clients split larger batches")
+    weights_version: int
