@@ -26,7 +26,7 @@ def _position(flat_index: int, shape: torch.Size) -> str:
 
 
 def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, backend: str,
-                  vocab: int | None = None) -> None:
+                  vocab: int | None = None, check_values: bool = True) -> None:
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -49,6 +49,8 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
         raise ValueError(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
         )
+    if not check_values:
+        return
     vocab = vocab or weight.shape[0]
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
@@ -60,7 +62,7 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
         )
 
 
-def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
+def _inverse_temperature(temperature: float | Tensor, labels: Tensor, check_values: bool = True) -> Tensor:
     """1 / temperature as an fp32 tensor shaped like labels (flattened)."""
     if isinstance(temperature, Tensor) and temperature.dim() > 0:
         if temperature.shape != labels.shape:
@@ -69,8 +71,8 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor) -> Tensor:
                 f"got {tuple(temperature.shape)}"
             )
         t = temperature.to(device=labels.device, dtype=torch.float32)
-        bad = ~(torch.isfinite(t) & (t > 0))
-        if bool(bad.any()):
+        bad = ~(torch.isfinite(t) & (t > 0)) if check_values else None
+        if bad is not None and bool(bad.any()):
             first = int(bad.flatten().nonzero()[0])
             raise ValueError(
                 f"temperature{_position(first, labels.shape)} = {float(t.flatten()[first])} "
@@ -116,6 +118,7 @@ def fused_log_probs(
     chunk_size: int = 512,
     softcap: float | None = None,
     process_group=None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(labels | hidden) and the entropy of the same distribution, per token, from the LM head weight.
 
@@ -128,6 +131,8 @@ def fused_log_probs(
     process_group: the vocabulary is split across its ranks (vocab_parallel.py): weight holds this rank's rows,
     `torch.tensor_split(torch.arange(V), N)[rank]`; hidden, labels (global ids) and temperature are the same on
     every rank, and so are the results. d_hidden comes back whole (summed over the group), d_weight for these rows.
+    check_values=False: the labels and temperatures were checked where they came in (a worker's request), so only
+    shapes and dtypes are checked here, with no device-to-host synchronisation.
     """
     opts = HeadOptions(
         backend=resolve_backend(backend, hidden.device),
@@ -145,8 +150,8 @@ def fused_log_probs(
         start, vocab = vocab_split(weight, process_group)
     else:
         vocab = None
-    _check_inputs(hidden, weight, labels, ignore_index, opts.backend, vocab)
-    inv_temp = _inverse_temperature(temperature, labels)
+    _check_inputs(hidden, weight, labels, ignore_index, opts.backend, vocab, check_values)
+    inv_temp = _inverse_temperature(temperature, labels, check_values)
     shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     if flat_hidden.stride(-1) != 1:

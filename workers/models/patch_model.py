@@ -134,6 +134,7 @@ def _forward_for_ppo(
     temperature: float | Tensor = 1.0,
     scored: Tensor | None = None,
     compute_entropy: bool = True,
+    checked_inputs: bool = False,
     *,
     backend: Backend,
     softcap: float | None,
@@ -180,7 +181,7 @@ def _forward_for_ppo(
         temperature = temperature.expand(input_ids.shape).reshape(-1)
     log_probs, entropy = fused_log_probs(
         hidden, self.get_output_embeddings().weight, labels, temperature, ignore_index=_IGNORE, backend=backend,
-        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group,
+        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=not checked_inputs,
     )
     if scored is None:  # back to [B, T], 0 where nothing was scored
         log_probs, entropy = (None if x is None else _spread(x, wanted, input_ids.shape) for x in (log_probs, entropy))

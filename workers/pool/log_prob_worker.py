@@ -324,4 +324,4 @@ class LogProbWorker(WeightsHolder):
         return tensors, dst, cost
 
     def _forward(self, **inputs):
-        return self.model(**inputs)
+        return self.model(**inputs, checked_inputs=True)  # (the request was validated where it came in)
