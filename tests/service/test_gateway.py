@@ -32,8 +32,8 @@ def server(checkpoint):
                     max_tokens_per_batch=512)
     # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first); small
     # has its own, since a test deletes that application, which shuts its pool down
-    small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=200, api_key="s3cret",
-                     pool_name="gw-small")
+    small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=1000, api_key="s3cret",
+                     pool_name="gw-small", ingress_replicas=1)  # (one replica: its /metrics shows its queue)
     big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
                    pool_name="gw-big")
     slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big")
@@ -349,7 +349,8 @@ def test_the_service_comes_back_after_ten_worker_kills(server, tiny):
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(server):
-    """Deleting an application lets the requests it already holds finish (the small app waits 200 ms to batch)."""
+    """Deleting an application lets the requests it already holds finish (the small app waits 1 s to batch: the
+    deletion starts once its metrics show both requests queued)."""
     import threading
 
     good = {"Authorization": "Bearer s3cret"}
@@ -358,7 +359,9 @@ def test_graceful_shutdown_finishes_requests_in_flight(server):
         async with httpx.AsyncClient(base_url=server, timeout=120, headers=good) as client:
             tasks = [asyncio.create_task(client.post("/small/logprobs", json={"input_ids": [[1, 2, 3, 4]]}))
                      for _ in range(2)]
-            await asyncio.sleep(0.1)  # both are queued in the replica's batcher now
+            deadline = time.monotonic() + 60
+            while await asyncio.to_thread(metric, server, "/small", "ppo_logprobs_queue_depth") != 2:
+                assert time.monotonic() < deadline, "the two requests were not seen queued"
             stopper = threading.Thread(target=serve.delete, args=("small",))
             stopper.start()
             done = await asyncio.gather(*tasks)
