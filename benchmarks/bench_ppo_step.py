@@ -36,6 +36,7 @@ class Trainer:
         self.model = load_model(model, device=device, **options)
         self.nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.sender = None
+        self.host_state = None  # a copy of the state dict in host memory, made at its first use
 
     def connect(self, pool: WorkerPool, bucket_mib: int) -> int:
         self.sender = pool.weight_sender(bucket_bytes=bucket_mib << 20)
@@ -57,7 +58,7 @@ class Trainer:
         `host`: of a copy of the state dict in host memory, as a trainer offloading to the CPU holds it."""
         state = self.model.state_dict()
         if host:
-            if getattr(self, "host_state", None) is None:
+            if self.host_state is None:
                 self.host_state = {k: v.cpu() for k, v in state.items()}
             state = self.host_state
         start = time.perf_counter()

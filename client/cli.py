@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def _check(rows: list[dict], path: str, vocab_size: int, max_length: int, temper
 def _api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file or PPO_LOGPROBS_API_KEY (never a flag: a command line shows in `ps`)."""
     if args.api_key_file:
-        return open(args.api_key_file).read().strip() or None
+        return Path(args.api_key_file).read_text().strip() or None
     return os.environ.get("PPO_LOGPROBS_API_KEY") or None
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import numpy as np
 import ray
@@ -45,30 +46,22 @@ def rewards(seqs: list[list[int]], starts: list[int]) -> torch.Tensor:
     return torch.tensor([float(np.mean(np.asarray(s[p:]) % 2 == 0)) for s, p in zip(seqs, starts, strict=True)])
 
 
-def scored_async(pool: WorkerPool, client, seqs, starts):
-    """A handle to wait on: the pool's ObjectRef, or (HTTP) a thread's future."""
+_HTTP = ThreadPoolExecutor(1)  # the HTTP client's calls, made beside the reference pool's
+
+
+def scored_async(pool: WorkerPool, client, seqs, starts) -> Future:
+    """The scores, to come: the pool's call, or (HTTP) the client's, in a thread."""
     if client is None:
-        return pool.compute_log_probs_async(seqs, starts, return_entropy=False)
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(1).submit(client.score, seqs, starts, return_entropy=False)
+        return pool.compute_log_probs_async(seqs, starts, return_entropy=False).future()
+    return _HTTP.submit(client.score, seqs, starts, return_entropy=False)
 
 
-def wait_each(handles: dict) -> tuple[dict, dict]:
-    """Results and the seconds until each was in, for handles started together."""
-    start, results, seconds = time.perf_counter(), {}, {}
-    pending = dict(handles)
-    while pending:
-        for name, handle in list(pending.items()):
-            if isinstance(handle, ray.ObjectRef):
-                ready, _ = ray.wait([handle], timeout=0.001)
-                value = ray.get(handle) if ready else None
-            else:
-                value = handle.result() if handle.done() else None
-            if value is not None:
-                results[name], seconds[name] = value, time.perf_counter() - start
-                del pending[name]
-        time.sleep(0.001)
+def wait_each(futures: dict[str, Future], start: float) -> tuple[dict, dict]:
+    """Each future's result, and the seconds from `start` until it was in."""
+    names = {future: name for name, future in futures.items()}
+    results, seconds = {}, {}
+    for future in as_completed(names):
+        results[names[future]], seconds[names[future]] = future.result(), time.perf_counter() - start
     return results, seconds
 
 
@@ -172,8 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
     for step in range(args.steps):
         start = time.perf_counter()
         seqs, starts = rollouts(rollouts_n, prompt, response, vocab, seed=step)
+        asked = time.perf_counter()
         scored, seconds = wait_each(dict(policy=scored_async(policy, client, seqs, starts),
-                                         reference=scored_async(reference, None, seqs, starts)))
+                                         reference=scored_async(reference, None, seqs, starts)), asked)
         versions = {r.weights_version for r in scored["policy"]}
         assert versions == {step}, f"old log-probs of weights version {versions}, expected {step}"
         old = [r.log_probs for r in scored["policy"]]

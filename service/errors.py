@@ -68,7 +68,7 @@ def to_response(exc: BaseException) -> JSONResponse:
                             headers={"Retry-After": f"{exc.retry_after:.0f}"})
     if isinstance(exc, ServiceError) and exc.status < 500:  # the caller's fault (the type says so)
         return JSONResponse({"detail": one_line(str(exc))}, status_code=exc.status)
-    if getattr(exc, "transient", False) or isinstance(exc, _RAY_TRANSIENT):
+    if (isinstance(exc, ServiceError) and exc.transient) or isinstance(exc, _RAY_TRANSIENT):
         reason = one_line(str(exc), 200) if not isinstance(exc, _RAY_TRANSIENT) else "a worker is restarting"
         return JSONResponse({"detail": f"temporarily unavailable: {reason}; retry"}, status_code=503,
                             headers={"Retry-After": "1"})

@@ -147,6 +147,12 @@ class ScoreRequest:
         """Entries each sequence's result has."""
         return self.lengths - self.score_from
 
+    def result_offsets(self) -> np.ndarray:
+        """Where each sequence's entries start in the flat result ([n + 1], int64; the last is their count)."""
+        offsets = np.zeros(len(self) + 1, dtype=np.int64)
+        np.cumsum(self.scored, out=offsets[1:])
+        return offsets
+
     def span(self, lo: int, hi: int) -> ScoreRequest:
         """Sequences lo .. hi - 1 (views, no copy)."""
         a, b = self.offsets[lo], self.offsets[hi]

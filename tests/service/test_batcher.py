@@ -32,10 +32,8 @@ class Scorer:
             await self.gate.wait()
         if self.fail is not None:
             raise self.fail
-        scored = request.scored
-        tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, scored)]
-        offsets = np.concatenate([[0], np.cumsum(scored)])
-        return ScoreResult(tokens.astype(np.float32), None, offsets, self.version)
+        tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, request.scored)]
+        return ScoreResult(tokens.astype(np.float32), None, request.result_offsets(), self.version)
 
 
 def request(seqs, starts=1) -> ScoreRequest:

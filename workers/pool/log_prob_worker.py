@@ -199,9 +199,12 @@ class LogProbWorker(WeightsHolder):
         return_entropy: bool = True,
     ) -> list[SequenceScores]:
         """Scores plain lists (validated here, RequestError naming the sequence); results in the order given."""
-        request = ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
-                                     vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
-        return self.score_request(request).sequences()
+        return self.score_request(self.request(input_ids, score_from, temperature, return_entropy)).sequences()
+
+    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True) -> ScoreRequest:
+        """Plain lists as a validated ScoreRequest for this model (RequestError naming the sequence)."""
+        return ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
+                                  vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
 
     def score_request(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request (the pool's and the gateway's path). `scoring` counts the calls under way
@@ -216,11 +219,10 @@ class LogProbWorker(WeightsHolder):
     def _score_request(self, request: ScoreRequest) -> ScoreResult:
         if self.weights_version is None:
             raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
-        lengths, scored = request.lengths, request.scored
+        lengths = request.lengths
         self.stats["calls"] += 1
         self.stats["tokens"] += int(request.offsets[-1])
-        offsets = np.zeros(len(request) + 1, dtype=np.int64)
-        np.cumsum(scored, out=offsets[1:])
+        offsets = request.result_offsets()
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
         limit = self.max_tokens_per_batch
@@ -276,10 +278,8 @@ class LogProbWorker(WeightsHolder):
         invariant mode they are the bits a worker serving the same weights returns for these sequences, however
         the worker's call was made up (on a GPU; on the CPU only when it scored exactly this batch: README
         "Using it from a PPO trainer")."""
-        request = ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
-                                     vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
-        offsets = np.zeros(len(request) + 1, dtype=np.int64)
-        np.cumsum(request.scored, out=offsets[1:])
+        request = self.request(input_ids, score_from, temperature, return_entropy)
+        offsets = request.result_offsets()
         log_probs, entropy, where = [], [], []
         for group in self._split(request.lengths, self.max_tokens_per_batch):
             inputs, dst, _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
@@ -288,9 +288,11 @@ class LogProbWorker(WeightsHolder):
             entropy.append(out.entropy)
             where.append(dst)
         order = torch.from_numpy(np.argsort(np.concatenate(where))).to(self.device)  # back to request order
-        sizes = request.scored.tolist()
-        per_sequence = [torch.cat(parts)[order].split(sizes) for parts in (log_probs, entropy) if parts[0] is not None]
-        return list(per_sequence[0]), list(per_sequence[1]) if return_entropy else None
+
+        def per_sequence(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return list(torch.cat(parts)[order].split(request.scored.tolist()))
+
+        return per_sequence(log_probs), per_sequence(entropy) if return_entropy else None
 
     def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int,
                       offsets: np.ndarray) -> tuple[dict, np.ndarray, int]:

@@ -25,6 +25,7 @@ from .transfer import (
 
 log = logging.getLogger(__name__)
 
+
 class WeightsHolder:
     """Mixed into LogProbWorker: needs `self.model` and keeps `self.weights_version` (None: no weights yet)."""
 

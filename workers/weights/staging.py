@@ -138,8 +138,8 @@ class StagedWeights:
     def _free(device: torch.device) -> int:
         """Free device memory, counting what this process holds cached and unused (scoring's last activations):
         the allocator gives that back to the device when an allocation needs it."""
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
-            torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
 
     def bytes_of(self, entry: Entry) -> Tensor:
         return self.buffer[entry.offset : entry.offset + entry.nbytes]
