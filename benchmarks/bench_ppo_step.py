@@ -38,8 +38,8 @@ class Trainer:
         self.sender = None
         self.host_state = None  # a copy of the state dict in host memory, made at its first use
 
-    def connect(self, pool: WorkerPool, bucket_mib: int) -> int:
-        self.sender = pool.weight_sender(bucket_bytes=bucket_mib << 20)
+    def connect(self, pool: WorkerPool, bucket_mib: int | None) -> int:
+        self.sender = pool.weight_sender(bucket_bytes=bucket_mib and bucket_mib << 20)
         return self.nbytes
 
     @torch.no_grad()
@@ -98,11 +98,11 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16384)
-    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--bucket-mib", type=int, help="default: the sender's (512 MiB buckets over NCCL, one by IPC)")
     local_copy_flag(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
-    changed = non_defaults(args, dict(max_tokens=16384, bucket_mib=512, local_copy="default"))
+    changed = non_defaults(args, dict(max_tokens=16384, bucket_mib=None, local_copy="default"))
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)

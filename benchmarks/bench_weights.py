@@ -41,7 +41,7 @@ def sync():
 
 def receive_raw(worker, group: str, nbytes: int, reps: int) -> None:
     """Runs in the worker's process (`__ray_call__`): the receiving side of the raw broadcasts."""
-    spec, pg = worker._groups[group]
+    spec, pg = worker.worker.weights._groups[group]
     buffer = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if spec.backend == "nccl" else "cpu")
     for _ in range(reps + 1):
         pg.broadcast(buffer, 0).wait()
@@ -86,11 +86,11 @@ def load_as_before(worker, path: str, reps: int) -> float:
     """Runs in the worker's process: the previous way, a whole model built on the CPU then load_state_dict."""
     from transformers import AutoModelForCausalLM
 
-    dtype = next(worker.model.parameters()).dtype
+    dtype = next(worker.worker.model.parameters()).dtype
 
     def load():
         state = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).state_dict()
-        worker.model.load_state_dict(state)
+        worker.worker.model.load_state_dict(state)
         sync()
 
     return median_seconds(load, reps)
@@ -100,12 +100,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--bucket-mib", type=int, help="default: the sender's (512 MiB buckets over NCCL, one by IPC)")
     parser.add_argument("--checkpoint-only", action="store_true")
     local_copy_flag(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
-    changed = non_defaults(args, dict(bucket_mib=512, local_copy="default"))
+    changed = non_defaults(args, dict(bucket_mib=None, local_copy="default"))
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
     share = 0.5 if gpus == 1 else 1  # one GPU: the trainer and the worker share it
@@ -126,7 +126,7 @@ def main() -> None:
     pool = WorkerPool.create(path, 1, num_gpus_per_worker=share if gpus else 0, max_tokens_per_batch=4096,
                              local_copy=LOCAL_COPY[args.local_copy], **options)
     worker = pool.workers[0]
-    nbytes = ray.get(worker.__ray_call__.remote(lambda w: sum(p.nbytes for p in w.model.parameters())))
+    nbytes = ray.get(worker.__ray_call__.remote(lambda w: sum(p.nbytes for p in w.worker.model.parameters())))
     results = dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name(0) if gpus else "cpu",
                    model=args.model, weight_bytes=nbytes, reps=args.reps, options=changed, sources={}, raw={})
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 20 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
-# (default: all). Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
+# Issue 20 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7 model"
+# (default: all but model). Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests loop15 weights step loop7}  # and big15: the 1.5B loop at 256 rollouts
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 quiet() { grep -v -i "warn\|info\|object store\|^\s*$\|core_worker\|raylet"; }
 if [[ $STAGES == *tests* ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py ${TESTS:-tests/workers/weights} \
+  timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py ${TESTS:-tests/workers/weights} \
     2>&1 | tee "$OUT/tests.log" | tail -3
 fi
 [[ -d /tmp/q15 || ! $STAGES =~ loop15|big15 ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b
@@ -35,4 +35,8 @@ fi
 if [[ $STAGES == *loop7* ]]; then
   timeout ${LOOP7_S:-400} python3 examples/ppo_loop.py --model /tmp/q7 --steps 3 --rollouts 32 --prompt 128 --response 512 \
     --minibatches 8 --lr 1e-5 --out "$OUT/ppo_loop_q7.json" 2>&1 | tee "$OUT/ppo_loop_q7.log" | quiet | tail -8
+fi
+if [[ $STAGES == *model* ]]; then  # issue 21: the worker's scoring after the actor's restructuring (7B shape)
+  timeout ${MODEL_S:-200} python3 benchmarks/bench_model.py --skip-naive --skip-fixed --worker-only --out "$OUT/model.json" \
+    2>&1 | tee "$OUT/model.log" | quiet | tail -6
 fi

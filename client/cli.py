@@ -175,10 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--api-key-file", help="a file holding the service's API key (default: $PPO_LOGPROBS_API_KEY)")
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        from ppo_logprobs.service.__main__ import main as serve_main
-
-        return serve_main(argv[1:])
+    if argv[:1] == ["serve"]:  # the service's own command line, in this process (the client imports no service)
+        os.execv(sys.executable, [sys.executable, "-m", "ppo_logprobs.service", *argv[1:]])
     args = parser.parse_args(argv)
     {"score": score, "bench": bench}[args.command](args)
 

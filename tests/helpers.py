@@ -84,6 +84,6 @@ def scoring_now(worker, timeout_s: float = 120.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not ray.get(worker.__ray_call__.options(concurrency_group="staging").remote(lambda w: w.scoring)):
+    while not ray.get(worker.__ray_call__.options(concurrency_group="staging").remote(lambda w: w.worker.scoring)):
         assert time.monotonic() < deadline, "the worker did not start scoring"
         time.sleep(0.005)

@@ -4,9 +4,26 @@ streams by it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from .families import FAMILIES as ALL_FAMILIES
+
+
+@dataclass(frozen=True)
+class Shard:
+    """What part of a model a tensor-parallel rank holds: rank `rank` of `size`, and whether its head was tied to
+    the embedding before the cut (its part is then cut from an update's embedding when the update has no head)."""
+
+    rank: int
+    size: int
+    tied: bool = False
+
+
+def held_shard(model) -> Shard | None:
+    """The part of the whole model this one holds (models/tensor_parallel.cut_model marks it), None for a whole
+    model."""
+    return getattr(model, "ppo_shard", None)
 
 
 def head_dim(config) -> int:

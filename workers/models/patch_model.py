@@ -28,6 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..families import FAMILIES
 from ..head import Backend, fused_log_probs
+from ..sharding import held_shard
 from . import varlen_attention
 from .fuse_body import fuse_body
 
@@ -144,8 +145,8 @@ def _forward_for_ppo(
     **kwargs,
 ) -> CausalLMOutputForPPO:
     kwargs["use_cache"] = False  # scoring never decodes further
-    if process_group is None and getattr(self, "tp_shard", None) is not None:
-        raise RuntimeError(f"this model holds rank {self.tp_shard[0]} of {self.tp_shard[1]}'s part: it scores once "
+    if process_group is None and (shard := held_shard(self)) is not None:
+        raise RuntimeError(f"this model holds rank {shard.rank} of {shard.size}'s part: it scores once "
                            "patched with its group (patch_model(model, process_group=...), tensor_parallel.connect)")
     segments = packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import sum_over
-from ..sharding import check_shardable, part_of
+from ..sharding import Shard, check_shardable, part_of
 
 _REDUCED = ("self_attn.o_proj", "mlp.down_proj")  # modules whose outputs are summed over the group
 
@@ -58,8 +58,7 @@ def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
         setattr(owner, attr, nn.Parameter(part.clone(), requires_grad=param.requires_grad))
     if tied:  # the head now has rows of its own; keep the config honest for save_pretrained
         config.tie_word_embeddings = False
-    model.tp_shard = (rank, size)  # read by the loaders (weights/staging.py rank_parts)
-    model.tp_tied = tied  # the head's part is then cut from a checkpoint's or stream's embedding
+    model.ppo_shard = Shard(rank, size, tied)  # read through sharding.held_shard (the loaders, the worker)
     return model
 
 

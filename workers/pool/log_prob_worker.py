@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
 import numpy as np
@@ -24,6 +25,7 @@ from ..errors import TooLarge, WeightsUnavailable
 from ..models import load_model
 from ..models.patch_model import packed_attention_of
 from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
+from ..sharding import held_shard
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
 
@@ -109,31 +111,33 @@ def restored(restore: dict, **load_options) -> tuple[torch.nn.Module, int | None
     return model, None
 
 
-class LogProbWorker(WeightsHolder):
+class LogProbWorker:
     """Holds a patched causal LM (see `load_model`; or a model already patched, given as `model`) and scores token
-    sequences with it.
+    sequences with it; its weights and their version are `weights` (a WeightsHolder: updates, local copies).
 
     `restore`: for an actor that Ray restarted, where its pool's current weights are instead of `model` (see
-    WeightOwner.restore_spec and `restored`). `keep_dir`: keep a local copy of the weights served there, of checkpoints
-    (hard links) and, with `keep_streams`, of streamed weights too (see weights/keep.py).
+    WeightOwner.restore_spec and `restored`). `keep_dir`, `keep_streams`, `on_kept`: the holder's local copy.
+    `room`: wraps each forward, given its cost in tokens (a tensor-parallel worker's ranks agree on memory there).
     """
 
     def __init__(
         self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
         row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None,
-        keep_streams: bool = False, **load_options,
+        keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
         self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.weights_version: int | None = 0
+        version: int | None = 0
         if isinstance(model, torch.nn.Module):
             self.model = model
         elif restore is None:
             self.model = load_model(model, device=self.device, **load_options)
         else:
-            self.model, self.weights_version = restored(restore, device=self.device, **load_options)
-        self._init_weights(keep_dir, keep_streams)
+            self.model, version = restored(restore, device=self.device, **load_options)
+        self.weights = WeightsHolder(self.model, version, keep_dir=keep_dir, keep_streams=keep_streams,
+                                     on_kept=on_kept)
+        self.room: Callable[[int], AbstractContextManager] = lambda tokens: nullcontext()
         self.max_tokens_per_batch = max_tokens_per_batch
         cuda = str(self.device).startswith("cuda")
         self.layout: Layout = layout or ("packed" if cuda else "padded")
@@ -143,11 +147,19 @@ class LogProbWorker(WeightsHolder):
         self.row_buckets = flex if row_buckets is None else row_buckets
         self.stats = dict(calls=0, tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         self.scoring = 0
-        if cuda and getattr(self.model, "tp_shard", None) is None:  # (a rank warms up once in its group)
-            self._warm_up()
+        if cuda and held_shard(self.model) is None:  # (a rank warms up once in its group)
+            self.warm_up()
+
+    @property
+    def weights_version(self) -> int | None:
+        return self.weights.version
+
+    def update_weights(self, weights: dict | str, version: int, *, allow_non_finite: bool = False) -> int:
+        """See WeightsHolder.update_weights."""
+        return self.weights.update_weights(weights, version, allow_non_finite=allow_non_finite)
 
     @torch.no_grad()
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Compiles the Triton kernels (head, norms, rotary, MLP) at start-up, not in the first request's time: a
         packed row of two short sequences, scored as requests are, with and without entropy."""
         ids = torch.zeros(1, 64, dtype=torch.long, device=self.device)
@@ -187,7 +199,7 @@ class LogProbWorker(WeightsHolder):
         """The model's config, as its pool saves it to rebuild a restarted worker (a tensor-parallel rank's: that of
         the whole model, whose head may have been tied before the cut)."""
         config = self.model.config.to_dict()
-        if getattr(self.model, "tp_tied", False):
+        if (shard := held_shard(self.model)) is not None and shard.tied:
             config["tie_word_embeddings"] = True
         return config
 
@@ -233,7 +245,7 @@ class LogProbWorker(WeightsHolder):
             try:
                 cost = self._score_group(request, group, limit, offsets, log_probs, entropy)
             except torch.OutOfMemoryError:
-                cost = self._cost(sizes, limit)
+                cost = self.cost(sizes, limit)
                 if cost == sizes.max():  # one sequence, unpadded: nothing left to split
                     raise TooLarge(
                         f"a sequence of {cost} tokens does not fit in a worker's memory; send shorter sequences"
@@ -248,7 +260,7 @@ class LogProbWorker(WeightsHolder):
     def _split(self, lengths: np.ndarray, limit: int) -> list[np.ndarray]:
         return pack_rows(lengths, limit) if self.layout == "packed" else pad_batches(lengths, limit)
 
-    def _cost(self, lengths: np.ndarray, limit: int) -> int:
+    def cost(self, lengths: np.ndarray, limit: int) -> int:
         """Tokens one forward of these sequences computes, padding included."""
         if self.layout == "padded":
             return len(lengths) * int(lengths.max())
@@ -258,7 +270,8 @@ class LogProbWorker(WeightsHolder):
                      log_probs: np.ndarray, entropy: np.ndarray | None) -> int:
         """One forward of these sequences; writes their entries; returns its cost in tokens."""
         inputs, dst, cost = self._group_inputs(request, group, limit, offsets)
-        out = self._forward(**inputs, compute_entropy=entropy is not None)
+        with self.room(cost):
+            out = self._forward(**inputs, compute_entropy=entropy is not None)
         log_probs[dst] = out.log_probs.cpu().numpy()
         if entropy is not None:
             entropy[dst] = out.entropy.cpu().numpy()
@@ -299,7 +312,7 @@ class LogProbWorker(WeightsHolder):
         """One forward's inputs for these sequences (on the device), where its results go in the request's flat
         results (whose sequence starts are `offsets`), and its cost in tokens."""
         lengths, starts = request.lengths[group], request.score_from[group]
-        cost = self._cost(lengths, limit)
+        cost = self.cost(lengths, limit)
         width = int(lengths.max()) if self.layout == "padded" else cost
         at = np.arange(len(group)) * width if self.layout == "padded" else np.cumsum(lengths) - lengths
         real = ragged_index(at, lengths)  # where each token goes in the flattened [rows, width] input

@@ -96,17 +96,13 @@ class WeightOwner:
             self.source = {**self.source, "keep": path}
             self._save()
 
-    async def _land(self, staged: list, version: int, source: dict, allow_non_finite: bool = False) -> int:
-        """Waits for every worker's staging call; commits everywhere if all succeeded and (unless allowed) every
-        staged tensor is finite, else aborts everywhere and raises the first failure (a BadWeights before any
-        other)."""
+    async def _land(self, staged: list, version: int, source: dict) -> int:
+        """Waits for every worker's staging call (each returns the name of a staged tensor that is not finite, when
+        asked to check); commits everywhere if all succeeded and every staged tensor checked is finite, else aborts
+        everywhere and raises the first failure (a BadWeights before any other)."""
         outcomes = await asyncio.gather(*staged, return_exceptions=True)
         errors = [_update_error(e) for e in outcomes if isinstance(e, BaseException)]
-        if not errors and not allow_non_finite:
-            checks = await asyncio.gather(*(staging(w, "check_staged").remote(version) for w in self.workers),
-                                          return_exceptions=True)
-            errors = [_update_error(e) for e in checks if isinstance(e, BaseException)]
-            errors += [non_finite(name) for name in checks if isinstance(name, str)][:1]
+        errors += [non_finite(name) for name in outcomes if isinstance(name, str)][:1]
         if errors:
             await asyncio.gather(*(w.abort.remote(version) for w in self.workers), return_exceptions=True)
             raise next((e for e in errors if isinstance(e, BadWeights)), errors[0])
@@ -121,13 +117,14 @@ class WeightOwner:
     async def update_from_path(self, path: str, allow_non_finite: bool = False) -> int:
         async with self.lock:
             version = self.version + 1  # updates are serialised: the next one, unless this one fails
-            return await self._land([self._read(w, path, version) for w in self._pool()], version, {"path": path},
-                                    allow_non_finite)
+            return await self._land([self._read(w, path, version, not allow_non_finite) for w in self._pool()],
+                                    version, {"path": path})
 
     @staticmethod
-    async def _read(worker, path: str, version: int) -> None:
+    async def _read(worker, path: str, version: int, check: bool = False) -> str | None:
         try:
-            await asyncio.wait_for(staging(worker, "stage_checkpoint").remote(path, version), READ_DEADLINE_S)
+            return await asyncio.wait_for(staging(worker, "stage_checkpoint").remote(path, version, check),
+                                          READ_DEADLINE_S)
         except TimeoutError:
             raise UpdateFailed(f"a worker did not finish reading the checkpoint {clip(path, 200)!r} within "
                                f"{READ_DEADLINE_S:.0f} s (a hung file system?); nothing changed") from None
@@ -153,11 +150,12 @@ class WeightOwner:
             self.lock.release()
             raise cause(e) from None
         version = self.version + 1
-        staged = [staging(w, "stage_stream").remote(group, layouts[0], version, bucket_bytes) for w in self.workers]
+        staged = [staging(w, "stage_stream").remote(group, layouts[0], version, bucket_bytes, not allow_non_finite)
+                  for w in self.workers]
 
         async def land() -> int:
             try:
-                return await self._land(staged, version, {"stream": True}, allow_non_finite)
+                return await self._land(staged, version, {"stream": True})
             finally:
                 self.lock.release()
 
@@ -175,8 +173,8 @@ class WeightOwner:
         """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
         async with self.lock:
             version = self.version + 1
-            return await self._land([staging(w, "stage_shared").remote(shared, layout, version) for w in self._pool()],
-                                    version, {"stream": True}, allow_non_finite)
+            return await self._land([staging(w, "stage_shared").remote(shared, layout, version, not allow_non_finite)
+                                     for w in self._pool()], version, {"stream": True})
 
     async def devices(self) -> list[str]:
         """Each worker's GPU (its UUID), or its device when it has none; every rank's for tensor-parallel workers."""

@@ -1,6 +1,7 @@
 """A tensor-parallel worker: N Ray actors (ranks) that hold one model's parts (models/tensor_parallel.py) and score
 together. Rank 0, the leader, is the worker its pool sees: every call it gets (scoring, staging, committing) it
-also sends to the other ranks, then runs its own part; the collectives inside the forward keep them in step.
+also sends to the other ranks, then runs its own part; the collectives inside the forward keep them in step. Each
+rank's actor (worker_pool.PoolWorker) holds a `RankGroup`, which coordinates its LogProbWorker with the others.
 
 The ranks' process group (NCCL on CUDA, gloo on the CPU; its store served by the leader) is formed by the leader
 when it first scores, and formed again when a call finds it broken: a rank that died is restarted by Ray, reads its part
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -38,6 +40,7 @@ from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
 from ..weights.keep import rank_copy
 from ..weights.transfer import GroupSpec, open_group, serve_store
+from .log_prob_worker import LogProbWorker
 from .owner import actors, staging
 
 log = logging.getLogger(__name__)
@@ -46,24 +49,30 @@ GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call after failures, the group formed again between them
 _OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each time smaller ones)
 # what the other ranks run in their staging thread, as the leader does (its pool's owner calls it there)
-_STAGING_CALLS = frozenset({"stage_checkpoint", "stage_stream", "stage_shared", "check_staged", "join_group",
-                            "open_sender", "send_weights"})
+_STAGING_CALLS = frozenset({"stage_checkpoint", "stage_stream", "stage_shared", "join_group", "open_sender",
+                            "send_weights"})
+_SCORER_CALLS = frozenset({"score_request", "devices"})  # a rank's own part of these is its LogProbWorker's, of the
+# others its WeightsHolder's
 
 
 class RankGroup:
-    """Mixed into the pool's actor class before LogProbWorker. `rank` and `size` give this actor's place;
-    `follower_names` (the leader only) the other ranks' actor names, in rank order."""
+    """One rank's side of a tensor-parallel worker: `worker` holds this rank's part. `rank` and `size` give its
+    place; `follower_names` (the leader only) the other ranks' actor names, in rank order. The calls below run on
+    every rank (the leader's go to the others first), in the same order everywhere."""
 
-    def _init_ranks(self, rank: int, size: int, follower_names: list[str] | None, backend: str,
-                    timeout_s: float = GROUP_TIMEOUT_S) -> None:
+    def __init__(self, worker: LogProbWorker, rank: int, size: int, follower_names: list[str] | None, backend: str,
+                 timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self.worker, self.weights = worker, worker.weights
+        worker.room = self._room
         self.rank, self.size, self._timeout_s = rank, size, timeout_s
         ## NB: the leader finds its other ranks by name each time it forms their group. Handles passed in its
         # constructor arguments go stale once it is restarted: Ray 2.60 never ran the calls made through them
         # (from the new process, or from anyone it handed them to) on a rank that had itself been restarted.
-        self._follower_names = list(follower_names or [])
+        self.follower_names = list(follower_names or [])
         self.followers: list = []
         self._head_backend = backend
         self._group = None  # formed by the leader when it first scores, and again after a failure
+        self._store = None  # the leader: the store of the group it is forming
         self._behind = False  # the leader: a rank lacks the current weights (restarted since)
         self._members: list[int] = []  # the leader: its group's other ranks, by process id
         self._too_big = float("inf")  # tokens of the smallest forward that ran out of memory here
@@ -73,14 +82,14 @@ class RankGroup:
         """The leader: a new store and group that every rank joins within GROUP_TIMEOUT_S. A rank still busy in a
         broken collective is free once that collective gives up (as long again), in time for the call's next
         attempt."""
-        cuda = str(self.device).startswith("cuda")
+        cuda = str(self.worker.device).startswith("cuda")
         store = serve_store(self._timeout_s)
         spec = GroupSpec(f"ranks-{uuid.uuid4().hex[:12]}", ray.util.get_node_ip_address(), store.port, self.size,
                          "nccl" if cuda else "gloo", self._timeout_s)
-        self._stores[spec.name] = store
         self._group = None
-        self.followers = actors(self._follower_names)
+        self.followers = actors(self.follower_names)
         joined = [f.join_ranks.remote(spec, r) for r, f in enumerate(self.followers, start=1)]
+        self._store = store
         self.join_ranks(spec, 0)
         self._members = get(joined)
 
@@ -89,9 +98,9 @@ class RankGroup:
         collective waiting GROUP_TIMEOUT_S on its old process), and a rank without this one's weights makes the
         worker report none (its owner then restores every rank)."""
         if not self.followers:
-            self.followers = actors(self._follower_names)
+            self.followers = actors(self.follower_names)
         infos = get([f.info.remote() for f in self.followers], timeout=self._timeout_s)
-        if any(i["weights_version"] != self.weights_version for i in infos):
+        if any(i["weights_version"] != self.weights.version for i in infos):
             self._behind, self._group = True, None
             raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
         if [i["pid"] for i in infos] != self._members:
@@ -99,28 +108,25 @@ class RankGroup:
 
     def join_ranks(self, spec, rank: int) -> int:
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # a broken collective raises; the process lives on
-        store = self._stores.pop(spec.name, None) if rank == 0 else None
+        store, self._store = (self._store, None) if rank == 0 else (None, None)
         self._group = open_group(spec, rank, store)
-        connect(self.model, self._group)
-        patch_model(self.model, backend=self._head_backend, process_group=self._group)
-        if str(self.device).startswith("cuda"):
-            self._warm_up()  # every rank at once: the warm-up's collectives match
+        model = self.worker.model
+        connect(model, self._group)
+        patch_model(model, backend=self._head_backend, process_group=self._group)
+        if str(self.worker.device).startswith("cuda"):
+            self.worker.warm_up()  # every rank at once: the warm-up's collectives match
         return os.getpid()
-
-    def followers_of(self) -> list[str]:
-        """The other ranks' actor names (in the pool's namespace)."""
-        return self._follower_names
 
     def _on_ranks(self, method: str, args_of, wait_s: float | None = None) -> list:
         """`method` on every rank, rank r with the arguments args_of(r): the others' started first, then this
         one's; the results in rank order. The others get `wait_s` more to finish (None: as long as they live)."""
-        if self._follower_names and not self.followers:
-            self.followers = actors(self._follower_names)
+        if self.follower_names and not self.followers:
+            self.followers = actors(self.follower_names)
         call = (lambda f: staging(f, method)) if method in _STAGING_CALLS else (lambda f: getattr(f, method))
         refs = [call(f).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
         errors = []
         try:
-            mine = getattr(super(), method)(*args_of(0))
+            mine = getattr(self.worker if method in _SCORER_CALLS else self.weights, method)(*args_of(0))
         except Exception as e:
             errors.append(e)
         done = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
@@ -141,21 +147,19 @@ class RankGroup:
         return self._on_ranks(method, lambda r: args, wait_s)[0]
 
     def info(self) -> dict:
-        info = super().info()
+        info = self.worker.info()
         if self._behind:  # a rank was restarted without weights: the worker as a whole has none
             info["weights_version"] = None
         return dict(info, ranks=self.size)
-
-    health = info
 
     def devices(self) -> list[str]:
         return [gpu for mine in self._on_ranks("devices", lambda r: ()) for gpu in mine]
 
     @torch.no_grad()
     def score_request(self, request: ScoreRequest) -> ScoreResult:
-        if not self._follower_names:
-            return super().score_request(request)
-        if self._behind or self.weights_version is None:
+        if not self.follower_names:
+            return self.worker.score_request(request)
+        if self._behind or self.weights.version is None:
             raise WeightsUnavailable("a rank of this worker was restarted and has not got its weights back yet")
         failures = ooms = 0
         while True:
@@ -175,25 +179,23 @@ class RankGroup:
                             exc_info=not oom)
                 self._group = None
 
-    def _score_group(self, request, group, limit, *out) -> int:
-        """One forward, as LogProbWorker's, once every rank agreed it has room for it: a forward that one rank
-        cannot fit is split by all (LogProbWorker.score_request), so the ranks stay in step."""
-        if self.size == 1:
-            return super()._score_group(request, group, limit, *out)
-        tokens = self._cost(request.lengths[group], limit)
+    @contextmanager
+    def _room(self, tokens: int):
+        """Around each forward of this rank's LogProbWorker: once every rank agreed it has room for it, so that a
+        forward one rank cannot fit is split by all (LogProbWorker.score_request) and the ranks stay in step."""
         self._agree_room(tokens)
-        cuda = self._device.type == "cuda"
+        device = torch.device(self.worker.device)
+        cuda = device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(self._device)
-            base = torch.cuda.memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         try:
-            cost = super()._score_group(request, group, limit, *out)
+            yield
         except torch.OutOfMemoryError:
             self._too_big = min(self._too_big, tokens)
             raise OutOfMemoryInForward(f"rank {self.rank} ran out of memory in a forward of {tokens} tokens") from None
-        if cuda and cost >= self._largest[0]:
-            self._largest = (cost, torch.cuda.max_memory_allocated(self._device) - base)
-        return cost
+        if cuda and tokens >= self._largest[0]:
+            self._largest = (tokens, torch.cuda.max_memory_allocated(device) - base)
 
     def _agree_room(self, tokens: int) -> None:
         """Raises torch.OutOfMemoryError on every rank when any rank has no room for a forward of `tokens`: one
@@ -201,13 +203,14 @@ class RankGroup:
         yet, cannot be allocated now (then the caching allocator holds it for the forward)."""
         short = tokens >= self._too_big
         seen, took = self._largest
-        if not short and self._device.type == "cuda" and seen and tokens > seen:
-            free = torch.cuda.memory_reserved(self._device) - torch.cuda.memory_allocated(self._device)
+        device = torch.device(self.worker.device)
+        if not short and device.type == "cuda" and seen and tokens > seen:
+            free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             try:
-                torch.empty(max(0, took * tokens // seen - free), dtype=torch.uint8, device=self._device)
+                torch.empty(max(0, took * tokens // seen - free), dtype=torch.uint8, device=device)
             except torch.OutOfMemoryError:
                 short = True
-        votes = torch.tensor([float(short)], device=self._device)
+        votes = torch.tensor([float(short)], device=device)
         sum_over(votes, self._group)
         if votes.item():
             raise torch.OutOfMemoryError(f"a rank of this worker has no room for a forward of {tokens} tokens")
@@ -215,10 +218,11 @@ class RankGroup:
     # Weight updates reach every rank through this one, so that each rank sees the calls in the same order.
     # A stream sends whole tensors; each rank keeps its parts (WeightsHolder.stage_stream).
 
-    def stage_checkpoint(self, path: str, version: int) -> None:
+    def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
         """A checkpoint every rank reads its parts of, or this rank's local copy: each rank then reads its own."""
-        own = bool(self._follower_names) and self._copy is not None and Path(path).parent == self._copy.root
-        self._on_ranks("stage_checkpoint", lambda r: (rank_copy(path, r) if own else path, version))
+        own = bool(self.follower_names) and Path(path).parent == self.weights.keep_root
+        return _first(self._on_ranks("stage_checkpoint", lambda r: (rank_copy(path, r) if own else path, version,
+                                                                     check)))
 
     def remove_local_copy(self) -> None:
         self._everywhere("remove_local_copy")
@@ -231,9 +235,6 @@ class RankGroup:
 
     def abort(self, version: int) -> None:
         self._everywhere("abort", version)
-
-    def check_staged(self, version: int) -> str | None:
-        return next((name for name in self._on_ranks("check_staged", lambda r: (version,)) if name), None)
 
     def layout_for(self, *args):
         return self._everywhere("layout_for", *args)  # (each rank checks that it is in the sender's group)
@@ -249,8 +250,8 @@ class RankGroup:
     def leave_group(self, name: str) -> None:
         self._everywhere("leave_group", name)
 
-    def stage_stream(self, *args) -> None:
-        self._everywhere("stage_stream", *args)
+    def stage_stream(self, *args) -> str | None:
+        return _first(self._on_ranks("stage_stream", lambda r: args))
 
     def open_sender(self, *args) -> list:
         """A group of two per rank, in which it sends its part to the same rank of a restarted worker."""
@@ -259,7 +260,11 @@ class RankGroup:
     def send_weights(self, specs: list, layout=None) -> None:
         self._on_ranks("send_weights", lambda r: (specs[r], layout))
 
-    def stage_shared(self, *args) -> None:
-        if self.size > 1:  # (its ranks hold one GPU each; a sender on one of them is refused before this)
-            raise UpdateFailed("tensor-parallel workers take weights over NCCL or gloo, not CUDA IPC")
-        super().stage_shared(*args)
+    def stage_shared(self, *args) -> str | None:
+        # (its ranks hold one GPU each; a sender on one of them is refused before this)
+        raise UpdateFailed("tensor-parallel workers take weights over NCCL or gloo, not CUDA IPC")
+
+
+def _first(names: list[str | None]) -> str | None:
+    """The first rank's report of a non-finite tensor, if any."""
+    return next((name for name in names if name), None)

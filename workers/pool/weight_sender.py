@@ -44,10 +44,13 @@ class WeightSender:
                         "a GPU that no worker uses, or update from a checkpoint path"
                     )
                 self.backend = "ipc"
-        self.bucket_bytes = bucket_bytes or BUCKET_BYTES
+        # a stream's buckets; by IPC, one bucket for all tensors that need packing (they are all shared at once
+        # anyway, and each bucket is a handle the workers open)
+        self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group = None
         self.closed = False
+        self._planned: tuple[dict, object] | None = None  # (shapes, layout) of the last IPC update
         if self.backend != "ipc":
             self._open()
 
@@ -72,10 +75,12 @@ class WeightSender:
         tensors = named if isinstance(named, Mapping) else dict(named)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         if self.backend == "ipc":
-            layout = get(self.owner.plan.remote(shapes))
-            shared, alive = share_buckets(tensors, layout, self.device, self.bucket_bytes)
+            if self._planned is None or self._planned[0] != shapes:  # (each worker checks the layout as it stages)
+                self._planned = (shapes, get(self.owner.plan.remote(shapes)))
+            layout = self._planned[1]
+            shared, alive = share_buckets(tensors, layout, self.device, self.bucket_bytes or layout.nbytes)
             version = get(self.owner.update_shared.remote(shared, layout, self.allow_non_finite))
-            del alive  # the workers have staged them
+            del alive  # the workers have committed or dropped them
             return version
         try:
             version, layout = self._begin(shapes)
@@ -84,7 +89,7 @@ class WeightSender:
             self._open()
             version, layout = self._begin(shapes)
         try:
-            broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes)
+            broadcast_tensors(self.group, tensors, layout, self.device, self.bucket_bytes or BUCKET_BYTES)
         except Exception:
             self._drop_group()  # the receivers' broadcasts fail with the group, and the owner aborts the update
             get(self.owner.finish_stream.remote(version))
@@ -92,7 +97,7 @@ class WeightSender:
         return get(self.owner.finish_stream.remote(version))
 
     def _begin(self, shapes: dict) -> tuple:
-        return get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes, False,
+        return get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes or BUCKET_BYTES, False,
                                                   self.allow_non_finite))
 
     def close(self) -> None:

@@ -50,27 +50,91 @@ def _rank_name(pool: str, index: int, rank: int) -> str:
     return f"{_actor_name(pool, index)}:rank:{rank}"
 
 
-class _PooledWorker(RankGroup, LogProbWorker):
-    """The actor class: a LogProbWorker that also keeps its pool's placement group (so a pool attached by name,
-    from a job whose namespace cannot see the group's name, can still free it), and that, when Ray restarts it,
-    takes its weights from where its pool's owner says they are now. With `size` > 1 it is one rank of a
-    tensor-parallel worker (rank_group.py)."""
+class PoolWorker:
+    """The pool's actor: a LogProbWorker (`worker`: the model, its forward, and its weights holder), and for one rank of
+    a tensor-parallel worker (`size` > 1) the RankGroup that runs each call on every rank (`ranks`). It keeps its
+    pool's placement group (so a pool attached by name, from a job whose namespace cannot see the group's name, can
+    still free it) and, when Ray restarts it, takes its weights from where its pool's owner says they are now.
 
-    def __init__(self, *args, placement=None, owner=None, rank: int = 0, size: int = 1, followers=None,
-                 group_timeout_s: float = GROUP_TIMEOUT_S, **kwargs) -> None:
+    Its remote methods are listed here, each handing the call to the part that answers it: the RankGroup where
+    there is one, else the LogProbWorker (scoring) or its WeightsHolder (updates). The staging calls return the
+    name of a staged tensor that is not finite when asked to check (see WeightsHolder)."""
+
+    scorer = LogProbWorker  # the class of `worker` (a test's may fail on purpose)
+
+    def __init__(self, model: str, *, placement=None, owner=None, rank: int = 0, size: int = 1, followers=None,
+                 group_timeout_s: float = GROUP_TIMEOUT_S, keep_dir: str | None = None, **options) -> None:
         restore = None
         if ray.get_runtime_context().was_current_actor_reconstructed:
             restore = ray.get(owner.restore_spec.remote())
-        shard = {}
         if size > 1:  # one rank of a tensor-parallel worker: its parts, and its own local copy (weights/keep.py)
-            shard = dict(shard=(rank, size))
-            if kwargs.get("keep_dir"):
-                kwargs["keep_dir"] = f"{kwargs['keep_dir']}/rank{rank}"
+            options["shard"] = (rank, size)
+            keep_dir = keep_dir and f"{keep_dir}/rank{rank}"
             if restore and restore.get("keep"):
                 restore["keep"] = rank_copy(restore["keep"], rank)
-        super().__init__(*args, restore=restore, **shard, **kwargs)
-        self.placement, self.owner = placement, owner
-        self._init_ranks(rank, size, followers, kwargs.get("backend", "auto"), group_timeout_s)
+        self.placement, self.owner, self.rank, self.size = placement, owner, rank, size
+        self.worker = self.scorer(model, restore=restore, keep_dir=keep_dir, on_kept=self._kept, **options)
+        self.ranks = RankGroup(self.worker, rank, size, followers, options.get("backend", "auto"),
+                               group_timeout_s) if size > 1 else None
+        self._scoring = self.ranks or self.worker  # who answers scoring calls
+        self._weights = self.ranks or self.worker.weights  # and weight calls
+
+    def score_request(self, request: ScoreRequest) -> ScoreResult:
+        return self._scoring.score_request(request)
+
+    def info(self) -> dict:
+        return self._scoring.info()
+
+    health = info
+
+    def devices(self) -> list[str]:
+        return self._scoring.devices()
+
+    def config(self) -> dict:
+        return self.worker.config()
+
+    def placement_group(self):
+        return self.placement
+
+    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None):
+        return self._weights.layout_for(shapes, full, group)
+
+    def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
+        return self._weights.stage_checkpoint(path, version, check)
+
+    def stage_stream(self, group: str, layout, version: int, bucket_bytes: int, check: bool = False) -> str | None:
+        return self._weights.stage_stream(group, layout, version, bucket_bytes, check)
+
+    def stage_shared(self, shared: list, layout, version: int, check: bool = False) -> str | None:
+        return self._weights.stage_shared(shared, layout, version, check)
+
+    def commit(self, version: int) -> int:
+        return self._weights.commit(version)
+
+    def abort(self, version: int) -> None:
+        self._weights.abort(version)
+
+    def join_group(self, spec, rank: int) -> None:
+        self._weights.join_group(spec, rank)
+
+    def leave_group(self, name: str) -> None:
+        self._weights.leave_group(name)
+
+    def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float):
+        return self._weights.open_sender(name, world_size, backend, timeout_s)
+
+    def send_weights(self, spec, layout=None) -> None:
+        self._weights.send_weights(spec, layout)
+
+    def remove_local_copy(self) -> None:
+        self._weights.remove_local_copy()
+
+    def join_ranks(self, spec, rank: int) -> int:
+        return self.ranks.join_ranks(spec, rank)
+
+    def followers_of(self) -> list[str]:
+        """A tensor-parallel worker's other ranks' actor names (in the pool's namespace)."""
+        return self.ranks.follower_names if self.ranks else []
 
     def _kept(self, version: int, path: str) -> None:
         """The owner hears of a copy once every rank's is whole (found beside rank 0's: keep.rank_copy)."""
@@ -91,9 +155,6 @@ class _PooledWorker(RankGroup, LogProbWorker):
             threading.Thread(target=tell, daemon=True).start()
         else:
             tell()
-
-    def placement_group(self):
-        return self.placement
 
 
 def balance_by_tokens(lengths: np.ndarray, num_shares: int) -> list[np.ndarray]:
@@ -257,7 +318,7 @@ class WorkerPool:
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
-        actor = ray.remote(concurrency_groups={STAGING: 1})(_PooledWorker)  # updates stage beside scoring
+        actor = ray.remote(concurrency_groups={STAGING: 1})(PoolWorker)  # updates stage beside scoring
 
         ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
 

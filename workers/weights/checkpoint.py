@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
+from ..sharding import held_shard
 from .keep import PARTS_FILE
 from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, part_shape, rank_parts
 
@@ -137,9 +138,9 @@ def _holds_parts(model: nn.Module, path: str) -> bool:
     if not marker.is_file():
         return False
     held = json.loads(marker.read_text())
-    mine = getattr(model, "tp_shard", None)
-    if mine is None or (held["rank"], held["size"]) != tuple(mine):
-        theirs = f"rank {mine[0]} of {mine[1]}" if mine else "a whole model"
+    mine = held_shard(model)
+    if mine is None or (held["rank"], held["size"]) != (mine.rank, mine.size):
+        theirs = f"rank {mine.rank} of {mine.size}" if mine else "a whole model"
         raise IncompatibleWeights(f"{clip(path, 200)!r} holds the parts of tensor-parallel rank {held['rank']} of "
                                   f"{held['size']}; this model is {theirs}")
     return True

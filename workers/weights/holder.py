@@ -4,12 +4,15 @@ committed or aborted on the pool owner's word; a worker can also stream its own 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import IncompatibleWeights, UpdateFailed, WeightsUnavailable, non_finite
+from ..sharding import held_shard
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
 from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
@@ -27,19 +30,24 @@ log = logging.getLogger(__name__)
 
 
 class WeightsHolder:
-    """Mixed into LogProbWorker: needs `self.model` and keeps `self.weights_version` (None: no weights yet)."""
+    """The weights of `model` and their `version` (None: none yet, a restarted worker's initial values). The staging
+    calls (stage_*) return the name of the first staged tensor that holds a NaN or an infinity when asked to
+    `check`, else None. `keep_dir`: keep a local copy there (weights/keep.py), of checkpoints (hard links) and, with
+    `keep_streams`, of streamed weights; `on_kept(version, path)` hears of each copy once it is whole."""
 
-    model: nn.Module
-    weights_version: int | None
-
-    def _init_weights(self, keep_dir: str | None = None, keep_streams: bool = False) -> None:
+    def __init__(self, model: nn.Module, version: int | None, *, keep_dir: str | None = None,
+                 keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None) -> None:
+        self.model = model
+        self.version = version
         self._staged: tuple[int, StagedWeights, str | None] | None = None  # (version, weights, checkpoint path)
         self._groups: dict = {}  # group name -> (GroupSpec, process group), this worker a receiver
         self._stores: dict = {}  # group name -> the store this worker serves as a sender
-        self._copy = LocalCopy(keep_dir, self._kept, keep_streams) if keep_dir else None
+        self._copy = LocalCopy(keep_dir, on_kept or (lambda version, path: None), keep_streams) if keep_dir else None
 
-    def _kept(self, version: int, path: str) -> None:
-        """Called once a local copy of `version` is whole (LogProbWorker's pool tells its owner)."""
+    @property
+    def keep_root(self) -> Path | None:
+        """Where the local copies are kept, if anywhere."""
+        return self._copy.root if self._copy else None
 
     @property
     def _device(self) -> torch.device:
@@ -58,7 +66,7 @@ class WeightsHolder:
         two layouts are one unless this model is a tensor-parallel rank's part."""
         parts = rank_parts(self.model, shapes)
         mine = {name: part_shape(shapes[source], part) for name, (source, part) in parts.items()}
-        if self.weights_version is None and not full:  # restarted, holding initial values: all of them, or none
+        if self.version is None and not full:  # restarted, holding initial values: all of them, or none
             try:
                 match_model(self.model, mine, full=True, what="the update")
             except IncompatibleWeights as e:
@@ -66,7 +74,7 @@ class WeightsHolder:
                                          f"give it them ({e}); send every parameter, or score once first (the pool "
                                          "then restores it)") from None
         staging = match_model(self.model, mine, full=full, what="the update")
-        if getattr(self.model, "tp_shard", None) is None:
+        if held_shard(self.model) is None:
             return staging, staging, parts
         dtypes = {name: p.dtype for name, p in self.model.named_parameters(remove_duplicate=False)}
         return Layout.of((name, tuple(shape), dtypes[name]) for name, shape in shapes.items()), staging, parts
@@ -76,17 +84,21 @@ class WeightsHolder:
         shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         return match_model(self.model, shapes, full=True, what="the update")
 
-    def stage_checkpoint(self, path: str, version: int) -> None:
-        self._staged = (version, read_checkpoint(self.model, path), path)
+    def _stage(self, version: int, staged: StagedWeights, path: str | None, check: bool) -> str | None:
+        self._staged = (version, staged, path)
+        return staged.first_non_finite() if check else None
 
-    def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
+        return self._stage(version, read_checkpoint(self.model, path), path, check)
+
+    def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int, check: bool = False) -> str | None:
         """An in-process update (a plain worker, tests): the given tensors, checked, copied to staging."""
         _, layout, parts = self._plan({n: tuple(t.shape) for n, t in tensors.items()}, full=False)
         staged = StagedWeights(layout, self._device)
         for entry in layout.entries:
             source, part = parts[entry.name]
             staged.tensor(entry).copy_(tensors[source] if part is None else tensors[source].narrow(*part))
-        self._staged = (version, staged, None)
+        return self._stage(version, staged, None, check)
 
     def join_group(self, spec: GroupSpec, rank: int) -> None:
         self._groups[spec.name] = (spec, open_group(spec, rank))
@@ -95,7 +107,8 @@ class WeightsHolder:
         self._groups.pop(name, None)
         self._stores.pop(name, None)
 
-    def stage_stream(self, group: str, layout: Layout | None, version: int, bucket_bytes: int) -> None:
+    def stage_stream(self, group: str, layout: Layout | None, version: int, bucket_bytes: int,
+                     check: bool = False) -> str | None:
         """Receives `layout` (from layout_for; a tensor-parallel rank keeps its parts of the whole tensors) or, with
         None, all of this worker's parameters as they are (from a peer that holds the same part: a restore)."""
         spec, pg = self._groups[group]
@@ -103,7 +116,7 @@ class WeightsHolder:
         parts = None
         if layout is None:
             layout = self.full_layout()
-        elif getattr(self.model, "tp_shard", None) is not None:
+        elif held_shard(self.model) is not None:
             _, mine, parts = self._plan({e.name: e.shape for e in layout.entries}, full=False)
         staged = StagedWeights(layout if parts is None else mine, device)
         try:
@@ -115,19 +128,15 @@ class WeightsHolder:
             log.warning("the weight stream of group %s broke off", group, exc_info=True)
             self._groups.pop(group, None)  # a broken group is not used again
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
-        self._staged = (version, staged, None)
+        return self._stage(version, staged, None, check)
 
-    def stage_shared(self, shared: list, layout: Layout, version: int) -> None:
-        """Weights from a sender on this worker's own GPU, as CUDA IPC handles (see transfer.share_buckets)."""
-        staged = StagedWeights(layout, self._device)
-        receive_shared(shared, staged)
-        self._staged = (version, staged, None)
-
-    def check_staged(self, version: int) -> str | None:
-        """The name of a staged tensor of `version` that holds a NaN or an infinity, else None."""
-        if self._staged is None or self._staged[0] != version:
-            raise UpdateFailed(f"no staged weights of version {version} to check")
-        return self._staged[1].first_non_finite()
+    def stage_shared(self, shared: list, layout: Layout, version: int, check: bool = False) -> str | None:
+        """Weights from a sender on this worker's own GPU, as CUDA IPC handles (see transfer.share_buckets), staged
+        where they are: no copy until the commit, no staging memory. The layout is checked again here (the sender
+        plans once for many updates; this worker may have been restarted since)."""
+        if self._plan({e.name: e.shape for e in layout.entries}, full=False)[1] != layout:
+            raise UpdateFailed("the sender's layout is not this worker's (another model?)")
+        return self._stage(version, StagedWeights.in_place(layout, receive_shared(shared)), None, check)
 
     def commit(self, version: int) -> int:
         if self._staged is None or self._staged[0] != version:
@@ -136,8 +145,8 @@ class WeightsHolder:
         with self._copy.lock if self._copy else nullcontext():  # the last local copy has left device memory
             staged.commit(self.model)
         self._staged = None
-        self.weights_version = version
-        if self._device.type == "cuda":
+        self.version = version
+        if staged.device.type == "cuda" and staged.owns_memory:
             torch.cuda.empty_cache()  # the staging buffer
         if self._copy is not None:
             self._copy.keep(version, self.model, path)
@@ -155,11 +164,8 @@ class WeightsHolder:
         """Stages and commits at once (a plain worker used in one process): a checkpoint path or a dict of tensors,
         full or partial; IncompatibleWeights (NonFiniteWeights for NaN or inf, unless allowed) or InvalidCheckpoint
         before anything changes."""
-        if isinstance(weights, str):
-            self.stage_checkpoint(weights, version)
-        else:
-            self.stage_tensors(weights, version)
-        if not allow_non_finite and (name := self.check_staged(version)) is not None:
+        stage = self.stage_checkpoint if isinstance(weights, str) else self.stage_tensors
+        if (name := stage(weights, version, check=not allow_non_finite)) is not None:
             self.abort(version)
             raise non_finite(name)
         return self.commit(version)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..sharding import held_shard
 from .staging import FILE_DTYPES, Layout
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,8 @@ class LocalCopy:
                 stream.synchronize()
         partial = self._partial(target)
         write_safetensors(partial / "model.safetensors", layout, self._host)
-        shard = getattr(model, "tp_shard", None)
-        if shard is not None:
-            (partial / PARTS_FILE).write_text(json.dumps(dict(rank=shard[0], size=shard[1])))
+        if (shard := held_shard(model)) is not None:
+            (partial / PARTS_FILE).write_text(json.dumps(dict(rank=shard.rank, size=shard.size)))
         partial.rename(target)
         self._done(version, target)
 

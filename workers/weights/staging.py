@@ -6,6 +6,7 @@ A `Layout` places named tensors in one flat byte buffer; checkpoint reads and br
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import re
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import IncompatibleWeights
-from ..sharding import part_of
+from ..sharding import held_shard, part_of
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ FILE_DTYPES = {  # safetensors' names of the dtypes it stores
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-FINITE_CHUNK = 1 << 26  # elements a finiteness check reduces at once (its temporary: 64 MiB of bools)
+FINITE_CHUNK = 1 << 28  # elements of a tensor a finiteness check reduces as one piece
 
 
 @dataclass(frozen=True)
@@ -96,21 +97,21 @@ Part = tuple[int, int, int]  # (dim, start, length): a tensor-parallel rank's sl
 def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Part | None]]:
     """What an update of whole tensors (`shapes`, by name) gives each parameter it reaches: (the whole tensor's
     name, where this rank's part of it lies, None for all of it). A plain model takes each tensor whole. A
-    tensor-parallel rank (`model.tp_shard`, models/tensor_parallel.py) takes its part; a head that was tied
+    tensor-parallel rank (sharding.held_shard) takes its part; a head that was tied
     before the cut takes its part of the embedding when the update has no head of its own. IncompatibleWeights
     names a tensor that is not the whole model's."""
-    shard = getattr(model, "tp_shard", None)
+    shard = held_shard(model)
     if shard is None:
         return {name: (name, None) for name in shapes}
     sources = {name: name for name in shapes}
-    if getattr(model, "tp_tied", False):
+    if shard.tied:
         params = dict(model.named_parameters())
         embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
         head = next(n for n, p in params.items() if p is model.get_output_embeddings().weight)
         if head not in shapes and embed in shapes:
             sources[head] = embed
     try:
-        return {name: (source, part_of(name, tuple(shapes[source]), *shard, model.config))
+        return {name: (source, part_of(name, tuple(shapes[source]), shard.rank, shard.size, model.config))
                 for name, source in sources.items()}
     except ValueError as e:
         raise IncompatibleWeights(str(e)) from None
@@ -122,7 +123,8 @@ def part_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:
 
 class StagedWeights:
     """A staging buffer for one update: on the model's device when it fits beside `HEADROOM_BYTES`, else in host
-    memory (pinned when the model is on CUDA)."""
+    memory (pinned when the model is on CUDA). Or (`in_place`) the sender's own buffers, shared by CUDA IPC, read
+    where they are: nothing is allocated or copied until the commit."""
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
@@ -133,6 +135,18 @@ class StagedWeights:
             self.device = torch.device("cpu")
         pin = device.type == "cuda" and self.device.type == "cpu"
         self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        self.owns_memory = True  # (in_place: the sender's)
+        self._segments = [(0, self.buffer)]  # (offset into the layout, its bytes), by offset
+
+    @classmethod
+    def in_place(cls, layout: Layout, segments: list[tuple[int, Tensor]]) -> StagedWeights:
+        """Staged weights read from `segments`, (offset into the layout, bytes) covering every entry, which the
+        caller keeps unchanged until the commit or abort."""
+        staged = cls.__new__(cls)
+        staged.layout, staged._segments = layout, sorted(segments, key=lambda s: s[0])
+        staged.owns_memory = False
+        staged.device = staged._segments[0][1].device
+        return staged
 
     @staticmethod
     def _free(device: torch.device) -> int:
@@ -142,33 +156,35 @@ class StagedWeights:
         return torch.cuda.mem_get_info(device)[0] + cached
 
     def bytes_of(self, entry: Entry) -> Tensor:
-        return self.buffer[entry.offset : entry.offset + entry.nbytes]
+        lo, data = self._segments[bisect.bisect_right(self._segments, entry.offset, key=lambda s: s[0]) - 1]
+        return data[entry.offset - lo : entry.offset - lo + entry.nbytes]
 
     def tensor(self, entry: Entry) -> Tensor:
         return self.bytes_of(entry).view(entry.dtype).view(entry.shape)
 
     @torch.no_grad()
     def first_non_finite(self) -> str | None:
-        """The name of the first staged tensor holding a NaN or an infinity, else None: one reduction per chunk of
-        at most FINITE_CHUNK elements (bounding the temporary), read back with one synchronisation."""
-        flags, names = [], []
+        """The name of the first staged tensor holding a NaN or an infinity, else None: the largest magnitude of each
+        piece of at most FINITE_CHUNK elements, by one multi-tensor reduction per dtype (a NaN or an infinity makes
+        it non-finite), read back with one synchronisation."""
+        pieces: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
         for entry in self.layout.entries:
-            if not entry.dtype.is_floating_point:
-                continue
-            flat = self.tensor(entry).view(-1)
-            for chunk in flat.split(FINITE_CHUNK):
-                flags.append(torch.isfinite(chunk).all())
-                names.append(entry.name)
-        if not flags:
+            if entry.dtype.is_floating_point and entry.nbytes:  # (an empty tensor has no largest magnitude)
+                for piece in self.tensor(entry).view(-1).split(FINITE_CHUNK):
+                    pieces.setdefault(entry.dtype, []).append((entry.name, piece))
+        if not pieces:
             return None
-        finite = torch.stack(flags).cpu()
-        return next((name for name, ok in zip(names, finite.tolist(), strict=True) if not ok), None)
+        names = [name for group in pieces.values() for name, _ in group]
+        finite = torch.cat([torch.stack(torch._foreach_norm([t for _, t in group], math.inf)).isfinite()
+                            for group in pieces.values()]).cpu()
+        bad = {name for name, ok in zip(names, finite.tolist(), strict=True) if not ok}
+        return next((entry.name for entry in self.layout.entries if entry.name in bad), None)
 
     @torch.no_grad()
     def commit(self, model: nn.Module) -> None:
         """Copies every staged tensor into the model's parameter of that name."""
         params = dict(model.named_parameters(remove_duplicate=False))
-        for entry in self.layout.entries:
-            params[entry.name].copy_(self.tensor(entry), non_blocking=True)
+        torch._foreach_copy_([params[e.name].data for e in self.layout.entries],
+                             [self.tensor(e) for e in self.layout.entries], non_blocking=True)
         if self.device.type == "cuda" or next(model.parameters()).is_cuda:
             torch.cuda.synchronize()

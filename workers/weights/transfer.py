@@ -103,14 +103,13 @@ def _bucket_bytes(bucket: tuple[Entry, ...], tensors: dict[str, Tensor], device:
     if len(bucket) == 1 and first.dtype == bucket[0].dtype and first.device == device and first.is_contiguous():
         return first.detach().view(-1).view(torch.uint8), False
     data = buffer(hi - lo)
-    from_host = []
+    from_host, local = [], []
     for entry in bucket:
         src = first if entry is bucket[0] else _as_full(tensors[entry.name])
         view = data[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
-        if src.device.type == "cpu" and device.type == "cuda":
-            from_host.append((view, src.detach()))
-        else:
-            view.copy_(src, non_blocking=True)
+        (from_host if src.device.type == "cpu" and device.type == "cuda" else local).append((view, src.detach()))
+    if local:  # one multi-tensor copy, not a kernel per tensor
+        torch._foreach_copy_([view for view, _ in local], [src for _, src in local], non_blocking=True)
     if from_host:
         copy_from_host(from_host)
     return data, True
@@ -224,9 +223,9 @@ def receive_parts(group: dist.ProcessGroup, layout: Layout, staged: StagedWeight
 def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.device,
                   bucket_bytes: int = BUCKET_BYTES) -> tuple[list[tuple[int, int, tuple]], list[Tensor]]:
     """The sender's side when its workers share its GPU (no NCCL between two processes of one GPU): each bucket as
-    a CUDA IPC handle, (lo, hi, handle) into the staging layout, and the tensors shared, which the caller keeps
-    alive until the workers have staged them. A bucket holding one tensor already in the workers' dtype is shared
-    as it is; the others are packed into new buffers."""
+    a CUDA IPC handle, (lo, hi, handle) into the staging layout, and the tensors shared, which the caller keeps alive
+    and unchanged until the workers have committed or dropped the update (they read them in place). A bucket holding
+    one tensor already in the workers' dtype is shared as it is; the others are packed into new buffers."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     shared, keep = [], []
@@ -239,14 +238,15 @@ def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.devi
     return shared, keep
 
 
-@torch.no_grad()
-def receive_shared(shared: list[tuple[int, int, tuple]], staged: StagedWeights) -> None:
-    """A receiver's side of share_buckets: each shared bucket copied into the staging buffer (device to device)."""
+def receive_shared(shared: list[tuple[int, int, tuple]]) -> list[tuple[int, Tensor]]:
+    """A receiver's side of share_buckets: each shared bucket as a tensor on this process's device (the same GPU),
+    read where it is (StagedWeights.in_place), as (its offset into the layout, its bytes)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     device = torch.cuda.current_device()
-    for lo, hi, handle in shared:
+    segments = []
+    for lo, _, handle in shared:
         handle = list(handle)
-        handle[6] = device  # the storage's device, as this process numbers it (the same GPU)
-        staged.buffer[lo:hi].copy_(rebuild_cuda_tensor(*handle))
-    torch.cuda.synchronize()
+        handle[6] = device  # the storage's device, as this process numbers it
+        segments.append((lo, rebuild_cuda_tensor(*handle)))
+    return segments

@@ -15,10 +15,11 @@ import ray
 import torch
 from ray.util.placement_group import placement_group_table
 
-from ppo_logprobs.workers import WorkerPool, load_model
+from ppo_logprobs.workers import LogProbWorker, WorkerPool, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, WeightsUnavailable, get
-from ppo_logprobs.workers.pool.worker_pool import _PooledWorker
+from ppo_logprobs.workers.pool.worker_pool import PoolWorker
 from ppo_logprobs.workers.request import ScoreRequest
+from ppo_logprobs.workers.sharding import held_shard
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
 from ppo_logprobs.workers.weights.keep import PARTS_FILE, rank_copy
 
@@ -149,14 +150,18 @@ def test_a_size_the_model_cannot_take_is_refused_before_any_actor_starts(cluster
         WorkerPool.create("tiny", 1, tensor_parallel=3, backend="torch")
 
 
-class OutOfMemoryAbove(_PooledWorker):
+class OutOfMemoryAbove(LogProbWorker):
     """A rank whose device runs out of memory in forwards over 40 tokens (CUDA's error, raised on the CPU). Only
     rank 1's does, so rank 0 is left waiting in the forward's collectives."""
 
     def _forward(self, **inputs):
-        if self.rank == 1 and inputs["input_ids"].numel() > 40:
+        if held_shard(self.model).rank == 1 and inputs["input_ids"].numel() > 40:
             raise torch.OutOfMemoryError("CUDA out of memory (test device)")
         return super()._forward(**inputs)
+
+
+class OutOfMemoryActor(PoolWorker):
+    scorer = OutOfMemoryAbove
 
 
 def test_a_forward_one_rank_cannot_fit_is_split_by_every_rank(cluster):
@@ -166,7 +171,7 @@ def test_a_forward_one_rank_cannot_fit_is_split_by_every_rank(cluster):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (the test's actor class travels by value)
     options = dict(max_tokens_per_batch=160, size=2, backend="torch", group_timeout_s=5.0)
     name = f"oom-{uuid.uuid4().hex[:8]}:rank:1"
-    actor = ray.remote(OutOfMemoryAbove)
+    actor = ray.remote(OutOfMemoryActor)
     follower = actor.options(num_cpus=1, name=name, namespace="ppo_logprobs").remote("tiny", rank=1, **options)
     leader = actor.options(num_cpus=1).remote("tiny", rank=0, followers=[name], **options)
     try:

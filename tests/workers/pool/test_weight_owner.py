@@ -204,7 +204,8 @@ def kept(pool):
 def copy_threads(worker) -> tuple:
     """What a worker runs to keep local copies: (keeps streamed weights, has a writer thread, threads named so)."""
     def of(w):
-        return w._copy.streams, w._copy.writer is not None, [t.name for t in threading.enumerate()
+        copy = w.worker.weights._copy
+        return copy.streams, copy.writer is not None, [t.name for t in threading.enumerate()
                                                               if t.name == "local-copy"]
 
     return ray.get(worker.__ray_call__.remote(of))

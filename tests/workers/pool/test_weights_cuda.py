@@ -7,6 +7,7 @@ import ray
 import torch
 
 from ppo_logprobs.workers import WorkerPool
+from ppo_logprobs.workers.errors import NonFiniteWeights
 
 from ...helpers import perturbed, save
 
@@ -23,7 +24,7 @@ def cluster():
 
 
 def weights_of(worker) -> dict:
-    return ray.get(worker.__ray_call__.remote(lambda w: {n: p.cpu() for n, p in w.model.named_parameters()}))
+    return ray.get(worker.__ray_call__.remote(lambda w: {n: p.cpu() for n, p in w.worker.model.named_parameters()}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,9 +71,14 @@ def test_a_trainer_on_the_workers_gpu_shares_its_buckets_by_ipc(cluster):
         with pool.weight_sender(device="cuda:0", bucket_bytes=64 << 10) as sender:
             assert sender.backend == "ipc"
             assert sender.send(model.named_parameters()) == 1
+            sent = {n: p.detach().to(torch.bfloat16).cpu() for n, p in model.named_parameters()}
+            with torch.no_grad():  # the worker read the buckets in place, and copied them at the commit
+                dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+            with pytest.raises(NonFiniteWeights, match="layers.1.mlp.up_proj"):
+                sender.send(model.named_parameters())
         got = weights_of(pool.workers[0])
-        for name, p in model.named_parameters():
-            assert torch.equal(got[name], p.detach().to(torch.bfloat16).cpu()), name
+        for name, p in sent.items():
+            assert torch.equal(got[name], p), name
         head = {"lm_head.weight": torch.randn(503, 64, device="cuda:0", dtype=torch.bfloat16)}
         assert pool.update_weights(head) == 2  # a CUDA state dict, partial, the same way
         assert torch.equal(weights_of(pool.workers[0])["lm_head.weight"], head["lm_head.weight"].cpu())

@@ -155,14 +155,17 @@ def test_a_tensor_parallel_rank_refuses_another_models_tensors(tmp_path):
         read_checkpoint(cut_model(load_model("tiny", backend="torch"), 0, 2), path)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
-def test_the_first_non_finite_staged_tensor_is_named(monkeypatch, bad):
-    """Chunks of 5 elements: the bad value sits in the last chunk of the second tensor, past the first chunk."""
+def test_the_first_non_finite_staged_tensor_is_named(monkeypatch, bad, device):
+    """Pieces of 5 elements: the bad value sits in the last piece of the second tensor, past the first piece."""
     from ppo_logprobs.workers.weights import staging
 
     monkeypatch.setattr(staging, "FINITE_CHUNK", 5)
-    layout = staging.Layout.of([("a", (3, 4), torch.float32), ("b", (17,), torch.bfloat16), ("c", (2,), torch.float16)])
-    staged = staging.StagedWeights(layout, torch.device("cpu"))
+    layout = staging.Layout.of([("a", (3, 4), torch.float32), ("b", (17,), torch.bfloat16), ("c", (2,), torch.float16),
+                                ("d", (0, 4), torch.float32)])
+    staged = staging.StagedWeights(layout, torch.device(device))
     for entry in layout.entries:
         staged.tensor(entry).copy_(torch.randn(entry.shape))
     if bad is not None:

@@ -77,7 +77,7 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
     ranks = [LogProbWorker(cut_model(perturbed(0, tie_word_embeddings=tied), r, 2)) for r in (0, 1)]
     before = [{n: p.clone() for n, p in w.model.named_parameters()} for w in ranks]
     shapes = {n: tuple(t.shape) for n, t in sent.items()}
-    layouts = [w.layout_for(shapes) for w in ranks]
+    layouts = [w.weights.layout_for(shapes) for w in ranks]
     assert layouts[0] == layouts[1] and [e.name for e in layouts[0].entries] == list(sent)  # whole tensors
     store = serve_store(60)
     spec = GroupSpec("tp", "127.0.0.1", store.port, 3, "gloo", 60)
@@ -85,8 +85,8 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
 
     def receive(rank):
         try:
-            ranks[rank].join_group(spec, rank + 1)
-            ranks[rank].stage_stream("tp", layouts[0], 1, bucket_bytes)
+            ranks[rank].weights.join_group(spec, rank + 1)
+            ranks[rank].weights.stage_stream("tp", layouts[0], 1, bucket_bytes)
         except Exception as e:  # reported to the test thread
             errors.append(e)
 
@@ -99,14 +99,15 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
     assert not errors
     for rank, w in enumerate(ranks):
         assert all(torch.equal(p, before[rank][n]) for n, p in w.model.named_parameters())  # staged only
-        w.commit(1)
+        w.weights.commit(1)
         for name, p in w.model.named_parameters():
             whole = sent.get(name, sent["model.embed_tokens.weight"])  # the tied head: the embedding
             assert torch.equal(p, shard_of(name, whole.detach(), rank, 2, w.model.config)), name
         if tied:  # a rank rebuilt from the config its pool saved (a restart) is tied as before the cut
             from ppo_logprobs.workers import load_model
+            from ppo_logprobs.workers.sharding import held_shard
 
-            assert load_model("", config=w.config(), shard=(rank, 2), backend="torch").tp_tied
+            assert held_shard(load_model("", config=w.config(), shard=(rank, 2), backend="torch")).tied
         w.update_weights({n: t.detach() * 2 for n, t in sent.items()}, 2)
         for name, p in w.model.named_parameters():
             whole = sent.get(name, sent["model.embed_tokens.weight"]).detach() * 2
