@@ -55,7 +55,8 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T, H or Hkv, D]
     sliding = {"module": getattr(self, "sliding_window", None), "config": getattr(self.config, "sliding_window", None),
                "none": None}[window]
-    out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding)
+    out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding,
+                                  kwargs.get("shared_keys"))
     return self.o_proj(out.reshape(1, t, -1)), None
 
 

@@ -136,6 +136,7 @@ def _forward_for_ppo(
     scored: Tensor | None = None,
     compute_entropy: bool = True,
     checked_inputs: bool = False,
+    pieces: varlen_attention.Pieces | None = None,
     *,
     backend: Backend,
     softcap: float | None,
@@ -148,7 +149,10 @@ def _forward_for_ppo(
     if process_group is None and (shard := held_shard(self)) is not None:
         raise RuntimeError(f"this model holds rank {shard.rank} of {shard.size}'s part: it scores once "
                            "patched with its group (patch_model(model, process_group=...), tensor_parallel.connect)")
-    segments = packed_segments(position_ids)
+    if pieces is not None and (input_ids.shape[0] != 1 or attention_mask is not None or scored is None):
+        raise ValueError("a row laid out in pieces (shared prefixes) is one row, with position_ids and scored")
+    # in pieces, a position's label is the next token in the row (prefixes.py); a sequence's last is never scored
+    segments = None if pieces is not None else packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
     if segments is not None and attention_mask is not None:
         real = attention_mask.bool()
@@ -160,8 +164,10 @@ def _forward_for_ppo(
                 "after the last real token; give each sequence its own positions from 0 instead"
             )
     how = packed_attention_of(self, input_ids.device, packed_attention)
-    if how == "varlen":
-        hidden, row_of = _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs)
+    if pieces is not None and how == "flex":
+        raise ValueError("rows laid out in pieces (shared prefixes) need varlen attention (or the CPU), not flex")
+    if how == "varlen" or pieces is not None:
+        hidden, row_of = _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs, pieces)
         body = None
     else:
         body = _model_body(self, input_ids, attention_mask, position_ids, segments, how, kwargs)
@@ -176,8 +182,8 @@ def _forward_for_ppo(
         labels = labels[wanted]
         if row_of is not None:
             labels = labels.masked_fill(row_of[wanted] < 0, _IGNORE)
-        if isinstance(temperature, Tensor):
-            temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]
+        if isinstance(temperature, Tensor) and not (temperature.dim() == 1 and scored is not None):
+            temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]  # (1-D: one per scored position)
     elif isinstance(temperature, Tensor):
         temperature = temperature.expand(input_ids.shape).reshape(-1)
     log_probs, entropy = fused_log_probs(
@@ -216,19 +222,29 @@ def _model_body(self, input_ids, attention_mask, position_ids, segments, how, kw
         self.config._attn_implementation = attn
 
 
-def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs) -> tuple[Tensor, Tensor | None]:
+def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs,
+                  pieces: varlen_attention.Pieces | None = None) -> tuple[Tensor, Tensor | None]:
     """The body over one packed row of the call's real tokens, attending through varlen attention: whatever the
-    layout (padded, packed, one sequence), a sequence meets the same kernels. Rows below `min_tokens` get a
-    trailing sequence of filler so that every GEMM sees at least that many rows. Returns (hidden [R, H] of the
-    real tokens, each of the B * T positions' row or -1 for padding; None when all are real)."""
-    keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
+    layout (padded, packed, one sequence, pieces of shared prefixes), a sequence meets the same kernels. Rows below
+    `min_tokens` get a trailing sequence of filler so that every GEMM sees at least that many rows. Returns (hidden
+    [R, H] of the real tokens, each of the B * T positions' row or -1 for padding; None when all are real)."""
+    if pieces is not None:
+        keep, positions = None, position_ids.reshape(-1)
+        begins = torch.zeros_like(positions, dtype=torch.bool)  # (unused: the pieces say where segments begin)
+    else:
+        keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
     ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
     real, least = ids.shape[0], max(min_tokens, 1)  # (a call of padding only still runs one row)
     if real < least:
         filler = torch.arange(least - real, device=ids.device)
         ids, positions = torch.cat([ids, torch.zeros_like(filler)]), torch.cat([positions, filler])
         begins = torch.cat([begins, filler == 0])
-    cu, longest = varlen_attention.cu_seq_lens(begins)
+    if pieces is None:
+        cu, longest = varlen_attention.cu_seq_lens(begins)
+    else:
+        pieces = pieces.with_filler(real, ids.shape[0])
+        cu, longest = pieces.cu_q, pieces.max_q
+        kwargs = dict(kwargs, shared_keys=pieces.keys)
     attn = self.config._attn_implementation
     self.config._attn_implementation = varlen_attention.NAME
     try:

@@ -11,6 +11,8 @@ Off CUDA the same function runs each sequence through sdpa (the reference the ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
@@ -72,26 +74,60 @@ def one_row(input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tens
     return keep, position_ids.reshape(-1)[keep], begins.reshape(-1)[keep]
 
 
+@dataclass(frozen=True)
+class Keys:
+    """Keys other than each sequence's own (shared prefixes, prefixes.py): query segment i (cu_seq_lens) attends to
+    the keys at rows kv_index[cu_k[i] : cu_k[i + 1]] of the row, the last of them its own queries' (causal from the
+    bottom right)."""
+
+    kv_index: Tensor
+    cu_k: Tensor
+    max_k: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A packed row laid out by a prefix plan (prefixes.py): its query segments (cu_q, the longest max_q) and the keys
+    each attends."""
+
+    cu_q: Tensor
+    max_q: int
+    keys: Keys
+
+    def with_filler(self, real: int, total: int) -> Pieces:
+        """The same with a trailing segment of filler rows real..total-1 that attends to itself."""
+        if total == real:
+            return self
+        n, device = total - real, self.cu_q.device
+        tail = torch.tensor([total], dtype=torch.int32, device=device)
+        keys = Keys(torch.cat([self.keys.kv_index, torch.arange(real, total, device=device)]),
+                    torch.cat([self.keys.cu_k, self.keys.cu_k[-1:] + n]), max(self.keys.max_k, n))
+        return Pieces(torch.cat([self.cu_q, tail]), max(self.max_q, n), keys)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float | None = None,
-           sliding_window: int | None = None) -> Tensor:
-    """Causal attention of each sequence of a packed row to itself: q [T, H, D], k and v [T, Hkv, D] (H a multiple
-    of Hkv) -> [T, H, D]. On CUDA one FlashAttention varlen call (grouped heads read in place, differentiable);
-    elsewhere sdpa per sequence, the reference."""
+           sliding_window: int | None = None, keys: Keys | None = None) -> Tensor:
+    """Causal attention of each sequence of a packed row to itself (or to `keys`): q [T, H, D], k and v [T, Hkv, D]
+    (H a multiple of Hkv) -> [T, H, D]. On CUDA one FlashAttention varlen call (grouped heads read in place,
+    differentiable); elsewhere sdpa per sequence, the reference."""
+    cu_k, max_k = cu_seq_lens, max_length
+    if keys is not None:
+        k, v, cu_k, max_k = k[keys.kv_index], v[keys.kv_index], keys.cu_k, keys.max_k
     if q.is_cuda:
         return torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seq_lens, cu_seq_lens, max_length, max_length, 0.0, True, False, scale=scale,
+            q, k, v, cu_seq_lens, cu_k, max_length, max_k, 0.0, True, False, scale=scale,
             window_size_left=sliding_window - 1 if sliding_window else -1, window_size_right=0,
         )[0]
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = torch.empty_like(q)
-    for a, b in zip(cu_seq_lens[:-1].tolist(), cu_seq_lens[1:].tolist(), strict=True):
-        n = b - a
-        allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        if sliding_window:
-            allowed &= torch.ones_like(allowed).triu(-(sliding_window - 1))
+    spans = zip(cu_seq_lens.tolist(), cu_seq_lens[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
+    for a, b, c, d in spans:
+        i, j = torch.arange(b - a, device=q.device)[:, None], torch.arange(d - c, device=q.device)[None]
+        behind = i + (d - c) - (b - a) - j  # how far key j lies before query i, in the whole sequence
+        allowed = (behind >= 0) & (behind < sliding_window if sliding_window else True)
         out[a:b] = nn.functional.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), attn_mask=allowed, scale=scale
+            q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), attn_mask=allowed, scale=scale
         ).transpose(0, 1)
     return out
 
@@ -108,12 +144,13 @@ def varlen_attention(
     *,
     cu_seq_lens: Tensor,
     max_length: int,
+    shared_keys: Keys | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention interface over `attend`: query [1, H, T, D]; key, value [1, Hkv, T, D] -> output
     [1, T, H, D]."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H or Hkv, D]
-    return attend(q, k, v, cu_seq_lens, max_length, scaling, sliding_window)[None], None
+    return attend(q, k, v, cu_seq_lens, max_length, scaling, sliding_window, shared_keys)[None], None
 
 
 AttentionInterface.register(NAME, varlen_attention)

@@ -24,12 +24,16 @@ import torch
 from ..errors import TooLarge, WeightsUnavailable
 from ..models import load_model
 from ..models.patch_model import packed_attention_of
+from ..models.varlen_attention import Keys, Pieces
+from ..prefixes import Forest, forest, row_plan
 from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
 from ..sharding import held_shard
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
+
+MIN_SHARED_PREFIX = 128  # tokens sequences of one call must share to compute them once
 
 __all__ = ["LogProbWorker", "SequenceScores", "bucket_length", "pack_rows", "pad_batches"]
 Layout = Literal["packed", "padded"]
@@ -123,10 +127,13 @@ class LogProbWorker:
     def __init__(
         self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
         row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None,
-        keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None, **load_options,
+        keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None,
+        min_shared_prefix: int | None = MIN_SHARED_PREFIX, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
+        if min_shared_prefix is not None and min_shared_prefix < 1:
+            raise ValueError(f"min_shared_prefix must be positive (or None: no sharing), got {min_shared_prefix}")
         self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         version: int | None = 0
         if isinstance(model, torch.nn.Module):
@@ -145,7 +152,10 @@ class LogProbWorker:
         # length: rows are padded up to a few bucket lengths so that it compiles a handful of times, not per request.
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
-        self.stats = dict(calls=0, tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
+        # sequences sharing a prefix of at least this many tokens compute it once (prefixes.py): packed rows
+        # attending through varlen attention (or the CPU's reference of it)
+        self.min_shared_prefix = min_shared_prefix if self.layout == "packed" and not flex else None
+        self.stats = dict(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         self.scoring = 0
         if cuda and held_shard(self.model) is None:  # (a rank warms up once in its group)
             self.warm_up()
@@ -238,15 +248,15 @@ class LogProbWorker:
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
         limit = self.max_tokens_per_batch
-        queue = [(group, limit) for group in self._split(lengths, limit)]  # and the most it may cost
-        while queue:
+        queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
+        while queue:  # most it may cost
             group, limit = queue.pop()
             sizes = lengths[group]
             try:
                 cost = self._score_group(request, group, limit, offsets, log_probs, entropy)
             except torch.OutOfMemoryError:
-                cost = self.cost(sizes, limit)
-                if cost == sizes.max():  # one sequence, unpadded: nothing left to split
+                cost = self._group_inputs(request, group, limit, offsets, tensors=False)[2]
+                if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
                     raise TooLarge(
                         f"a sequence of {cost} tokens does not fit in a worker's memory; send shorter sequences"
                     ) from None
@@ -254,11 +264,26 @@ class LogProbWorker:
                 self.stats["oom_splits"] += 1
                 half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
                 log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
-                queue.extend((group[part], half) for part in self._split(sizes, half))
+                queue.extend((part, half) for part in self._split(request, group, half))
         return ScoreResult(log_probs, entropy, offsets, self.weights_version)
 
-    def _split(self, lengths: np.ndarray, limit: int) -> list[np.ndarray]:
-        return pack_rows(lengths, limit) if self.layout == "packed" else pad_batches(lengths, limit)
+    def _split(self, request: ScoreRequest, group: np.ndarray, limit: int) -> list[np.ndarray]:
+        """These sequences (request indices) in forwards of at most `limit` tokens computed; sequences that share a
+        prefix go together (a group too large for one splits in two, each still sharing)."""
+        lengths = request.lengths[group]
+        if self.layout == "padded":
+            return [group[b] for b in pad_batches(lengths, limit)]
+        if self.min_shared_prefix is None:
+            return [group[r] for r in pack_rows(lengths, limit)]
+        units, todo = [], [group]
+        while todo:
+            for members, cost in forest(request, todo.pop(), self.min_shared_prefix).roots():
+                if cost > limit and len(members) > 1:
+                    todo += [members[: len(members) // 2], members[len(members) // 2 :]]  # (sorted: halves share)
+                else:
+                    units.append((members, cost))
+        rows = pack_rows(np.array([cost for _, cost in units], dtype=np.int64), limit)
+        return [np.concatenate([units[u][0] for u in row]) for row in rows]
 
     def cost(self, lengths: np.ndarray, limit: int) -> int:
         """Tokens one forward of these sequences computes, padding included."""
@@ -269,13 +294,14 @@ class LogProbWorker:
     def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
                      log_probs: np.ndarray, entropy: np.ndarray | None) -> int:
         """One forward of these sequences; writes their entries; returns its cost in tokens."""
-        inputs, dst, cost = self._group_inputs(request, group, limit, offsets)
+        inputs, (dst, take), cost = self._group_inputs(request, group, limit, offsets)
         with self.room(cost):
             out = self._forward(**inputs, compute_entropy=entropy is not None)
-        log_probs[dst] = out.log_probs.cpu().numpy()
+        log_probs[dst] = out.log_probs.cpu().numpy()[take]
         if entropy is not None:
-            entropy[dst] = out.entropy.cpu().numpy()
+            entropy[dst] = out.entropy.cpu().numpy()[take]
         self.stats["rows"] += 1
+        self.stats["computed_tokens"] += cost
         self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
         return cost
 
@@ -294,11 +320,12 @@ class LogProbWorker:
         request = self.request(input_ids, score_from, temperature, return_entropy)
         offsets = request.result_offsets()
         log_probs, entropy, where = [], [], []
-        for group in self._split(request.lengths, self.max_tokens_per_batch):
-            inputs, dst, _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
+        for group in self._split(request, np.arange(len(request)), self.max_tokens_per_batch):
+            inputs, (dst, take), _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
             out = self._forward(**inputs, compute_entropy=return_entropy)
-            log_probs.append(out.log_probs)
-            entropy.append(out.entropy)
+            take = torch.from_numpy(take).to(self.device)
+            log_probs.append(out.log_probs[take])
+            entropy.append(None if out.entropy is None else out.entropy[take])
             where.append(dst)
         order = torch.from_numpy(np.argsort(np.concatenate(where))).to(self.device)  # back to request order
 
@@ -307,10 +334,15 @@ class LogProbWorker:
 
         return per_sequence(log_probs), per_sequence(entropy) if return_entropy else None
 
-    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int,
-                      offsets: np.ndarray) -> tuple[dict, np.ndarray, int]:
-        """One forward's inputs for these sequences (on the device), where its results go in the request's flat
-        results (whose sequence starts are `offsets`), and its cost in tokens."""
+    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
+                      tensors: bool = True) -> tuple[dict, tuple[np.ndarray, np.ndarray], int]:
+        """One forward's inputs for these sequences (on the device; not made without `tensors`), where its results
+        go in the request's flat results (whose sequence starts are `offsets`): entry dst[i] takes the forward's
+        result take[i]; and its cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
+        if self.min_shared_prefix is not None:
+            trees = forest(request, group, self.min_shared_prefix)
+            if trees.shared:
+                return self._pieces_inputs(request, trees, offsets, tensors)
         lengths, starts = request.lengths[group], request.score_from[group]
         cost = self.cost(lengths, limit)
         width = int(lengths.max()) if self.layout == "padded" else cost
@@ -334,9 +366,29 @@ class LogProbWorker:
         # reach the head (a prompt's positions cost no head GEMM)
         src = ragged_index(at + starts - 1, lengths - starts)
         dst = ragged_index(offsets[:-1][group], lengths - starts)
-        tensors = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
-        tensors["scored"] = torch.from_numpy(src).to(self.device)
-        return tensors, dst, cost
+        if not tensors:
+            return {}, (dst, np.arange(dst.size)), cost
+        made = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
+        made["scored"] = torch.from_numpy(src).to(self.device)
+        return made, (dst, np.arange(dst.size)), cost
+
+    def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray,
+                       tensors: bool) -> tuple[dict, tuple[np.ndarray, np.ndarray], int]:
+        """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, temperature) scored
+        once."""
+        plan = row_plan(request, trees, offsets)
+        if not tensors:
+            return {}, (plan.dst, plan.take), trees.tokens
+
+        def device(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(self.device)
+
+        lengths_k = np.diff(plan.cu_k)
+        pieces = Pieces(device(plan.cu_q), int(np.diff(plan.cu_q).max()),
+                        Keys(device(plan.kv_index), device(plan.cu_k), int(lengths_k.max())))
+        inputs = dict(input_ids=device(plan.ids)[None], position_ids=device(plan.positions)[None],
+                      temperature=device(plan.temperature), scored=device(plan.scored), pieces=pieces)
+        return inputs, (plan.dst, plan.take), trees.tokens
 
     def _forward(self, **inputs):
         return self.model(**inputs, checked_inputs=True)  # (the request was validated where it came in)

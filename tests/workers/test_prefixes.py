@@ -1,0 +1,74 @@
+"""workers/prefixes.py: which sequences share which pieces, and the row a forest is laid out in."""
+
+import numpy as np
+import pytest
+
+from ppo_logprobs.workers.prefixes import forest, row_plan
+from ppo_logprobs.workers.request import ScoreRequest
+
+SYSTEM = list(range(100, 137))  # 37 tokens every sequence but one starts with
+TASK = [7] * 11
+
+
+def build(seqs, score_from=1, temperature=1.0):
+    return ScoreRequest.build(seqs, score_from, temperature, True, vocab_size=503, max_length=1000)
+
+
+def tokens_of(request, i):
+    return request.tokens[request.offsets[i] : request.offsets[i + 1]].tolist()
+
+
+def test_nested_partial_and_identical_sequences_form_one_tree_each_token_once():
+    seqs = [SYSTEM + TASK + [1, 2, 3], SYSTEM + TASK + [1, 4], SYSTEM + [9, 9, 9, 9], [5] * 20,
+            SYSTEM + TASK + [1, 2, 3], SYSTEM[:4]]
+    request = build(seqs)
+    trees = forest(request, np.arange(len(seqs)), 3)
+    paths = {s: trees.path(s) for s in range(len(seqs))}
+    for s, path in paths.items():  # a path is the sequence, piece by piece
+        got = [t for p in path for t in tokens_of(request, int(trees.seq[p]))[trees.start[p] : trees.end[p]]]
+        assert got == seqs[s], s
+        assert trees.start[path[0]] == 0 and all(trees.start[b] == trees.end[a] for a, b in zip(path, path[1:], strict=False))
+    assert paths[0][:-1] == paths[4][:-1] == paths[1][:-1]  # the task prompt, within the system prompt
+    assert paths[2][:2] == paths[0][:2] and len(paths[2]) == 3
+    assert paths[3] == [trees.leaf[3]] and trees.parent[trees.leaf[3]] == -1  # shares nothing
+    assert paths[5][0] == paths[0][0] and trees.end[paths[5][0]] == 3  # a sequence that is another's prefix
+    for p, up in enumerate(trees.parent):  # depth first: a node just before its first child
+        if up >= 0 and p == min(q for q, u in enumerate(trees.parent) if u == up):
+            assert p == up + 1
+    # SYSTEM[:3], SYSTEM[3], SYSTEM[3:36], SYSTEM[36] + TASK, three ends after TASK + [1], [9] * 4 after SYSTEM[36],
+    # and the sequence that shares nothing
+    shared_once = 3 + 1 + 33 + 12 + (3 + 3 + 2) + 5 + 20
+    assert trees.tokens == shared_once < sum(map(len, seqs))
+    roots = {tuple(members.tolist()): cost for members, cost in trees.roots()}
+    assert roots == {(0, 1, 2, 4, 5): trees.tokens - 20, (3,): 20}
+
+
+@pytest.mark.parametrize("min_shared", [1, 36, 37, 200])
+def test_a_prefix_shorter_than_the_minimum_is_not_shared(min_shared):
+    seqs = [SYSTEM + [1, 2], SYSTEM + [3, 4, 5]]
+    trees = forest(build(seqs), np.arange(2), min_shared)
+    # the piece stops one short of the shared tokens: 37 shared give a piece of 36
+    assert trees.shared == (min_shared <= 36)
+    assert trees.tokens == (36 + 3 + 4 if trees.shared else 39 + 40)
+
+
+def test_the_row_plan_gives_each_sequence_its_keys_positions_and_entries():
+    seqs = [SYSTEM + TASK + [1, 2, 3], SYSTEM + TASK + [1, 4], SYSTEM + [9, 9, 9, 9], [5] * 20, SYSTEM[:4]]
+    starts, temps = [1, 40, 2, 5, 4], [1.0, 0.5, 1.0, 2.0, 1.0]
+    request = build(seqs, starts, temps)
+    trees = forest(request, np.arange(len(seqs)), 3)
+    offsets = request.result_offsets()
+    plan = row_plan(request, trees, offsets)
+    assert plan.ids.size == plan.positions.size == trees.tokens == plan.cu_q[-1]
+    for s, seq in enumerate(seqs):
+        leaf = trees.leaf[s]
+        keys = plan.kv_index[plan.cu_k[leaf] : plan.cu_k[leaf + 1]]
+        assert plan.ids[keys].tolist() == seq and plan.positions[keys].tolist() == list(range(len(seq)))
+        for e in range(offsets[s + 1] - offsets[s]):  # entry e scores token starts[s] + e, predicted before it
+            (i,) = np.flatnonzero(plan.dst == offsets[s] + e)
+            row = plan.scored[plan.take[i]]
+            assert plan.positions[row] == starts[s] + e - 1 and plan.temperature[plan.take[i]] == temps[s]
+            assert plan.ids[row + 1] == seq[starts[s] + e]  # the next token in the row is the one scored
+    # positions scored by several sequences at one temperature are scored once
+    assert plan.scored.size < plan.dst.size == offsets[-1]
+    assert len(set(zip(plan.scored.tolist(), plan.temperature.tolist(), strict=True))) == plan.scored.size

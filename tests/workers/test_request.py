@@ -1,0 +1,174 @@
+"""The request/result contract (workers/request.py), alone: what ScoreRequest.build refuses and the message that
+names the field, the sequence and the value; what it accepts at the edges; select, concat and merge giving every
+sequence back in request order for any split; the stale-part policy; ragged_index against a loop."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ppo_logprobs.workers.errors import RequestError, TooLarge
+from ppo_logprobs.workers.request import ScoreRequest, ScoreResult, ragged_index, stale_parts
+
+VOCAB = 10
+
+
+def build(input_ids, score_from=1, temperature=1.0, return_entropy=True, max_length=8, max_tokens=None):
+    return ScoreRequest.build(input_ids, score_from, temperature, return_entropy, vocab_size=VOCAB,
+                              max_length=max_length, max_tokens=max_tokens)
+
+
+def sequences(request: ScoreRequest) -> list[list[int]]:
+    return [request.tokens[a:b].tolist() for a, b in zip(request.offsets[:-1], request.offsets[1:], strict=True)]
+
+
+def score(request: ScoreRequest, version: int = 0) -> ScoreResult:
+    """A stand-in for a worker that shows where each entry came from: log-prob = the scored token, entropy = its
+    position in its sequence."""
+    at = ragged_index(request.offsets[:-1] + request.score_from, request.scored)
+    position = at - np.repeat(request.offsets[:-1], request.scored)
+    entropy = position.astype(np.float32) if request.return_entropy else None
+    return ScoreResult(request.tokens[at].astype(np.float32), entropy, request.result_offsets(), version)
+
+
+@pytest.mark.parametrize(
+    "input_ids, score_from, temperature, error, message",
+    [
+        ([], 1, 1.0, RequestError, "input_ids must be a non-empty list of token lists"),
+        ("ab", 1, 1.0, RequestError, "input_ids must be a non-empty list of token lists"),
+        ([[1, 2], 5], 1, 1.0, RequestError, "input_ids[1] = 5 is not a list of token ids"),
+        ([[1, 2], "ab"], 1, 1.0, RequestError, "input_ids[1] = 'ab' is not a list of token ids"),
+        ([[1, 2], [3]], 1, 1.0, RequestError, "input_ids[1] has 1 tokens; scoring needs at least 2"),
+        ([[1, 2], [1] * 9], 1, 1.0, TooLarge, "input_ids[1] has 9 tokens; this model takes at most 8"),
+        ([[1, 2], [3, 4, 10]], 1, 1.0, RequestError, "input_ids[1][2] = 10 is outside the vocabulary [0, 10)"),
+        ([[1, 2], [-1, 4]], 1, 1.0, RequestError, "input_ids[1][0] = -1 is outside the vocabulary [0, 10)"),
+        ([np.array([1, 2]), np.array([3, -4], dtype=np.int8)], 1, 1.0, RequestError,
+         "input_ids[1][1] = -4 is outside the vocabulary [0, 10)"),
+        ([[1, 2], [3, True]], 1, 1.0, RequestError, "input_ids[1][1] = True is not a token id (an integer)"),
+        ([np.array([True, False])], 1, 1.0, RequestError,
+         "input_ids[0][0] = np.True_ is not a token id (an integer)"),
+        ([[1, [2, 3]]], 1, 1.0, RequestError, "input_ids[0][1] = [2, 3] is not a token id (an integer)"),
+        ([[1, None]], 1, 1.0, RequestError, "input_ids[0][1] = None is not a token id (an integer)"),
+        ([[1, 2]], True, 1.0, RequestError, "score_from = True must be an integer"),
+        ([[1, 2], [3, 4]], [2, False], 1.0, RequestError, "score_from[1] = False must be an integer"),
+        ([[1, 2]], 2.0, 1.0, RequestError, "score_from = 2.0 must be an integer"),
+        ([[1, 2]], 0, 1.0, RequestError, "score_from[0] = 0 must be in [1, 2] (len(input_ids[0]))"),
+        ([[1, 2, 3], [4, 5]], [3, 3], 1.0, RequestError, "score_from[1] = 3 must be in [1, 2] (len(input_ids[1]))"),
+        ([[1, 2]], 2**63, 1.0, RequestError, "score_from = 9223372036854775808 is out of range"),
+        ([[1, 2], [3, 4]], [1, -(2**64)], 1.0, RequestError, "score_from[1] = -18446744073709551616 is out of range"),
+        ([[1, 2], [3, 4]], [1], 1.0, RequestError, "score_from has 1 entries for 2 sequences"),
+        ([[1, 2], [3, 4]], 1, [1.0, 1e-3], RequestError, "temperature[1] = 0.001 must be a number in [0.01, 100]"),
+        ([[1, 2], [3, 4]], 1, [1.0, float("inf")], RequestError,
+         "temperature[1] = inf must be a number in [0.01, 100]"),
+        ([[1, 2]], 1, 100.5, RequestError, "temperature[0] = 100.5 must be a number in [0.01, 100]"),
+        ([[1, 2], [3, 4]], 1, [1.0, True], RequestError, "temperature[1] = True must be a number"),
+        ([[1, 2]], 1, None, RequestError, "temperature = None must be a number"),
+        ([[1, 2], [3, 4]], 1, [1.0, 2.0, 3.0], RequestError, "temperature has 3 entries for 2 sequences"),
+    ],
+)
+def test_each_refusal_names_the_field_the_sequence_and_the_value(input_ids, score_from, temperature, error, message):
+    with pytest.raises(RequestError) as refused:
+        build(input_ids, score_from, temperature)
+    assert type(refused.value) is error and str(refused.value) == message
+
+
+def test_the_other_refusals_name_what_is_wrong():
+    with pytest.raises(TooLarge) as refused:
+        build([[1, 2], [3, 4, 5]], max_tokens=4)
+    assert str(refused.value) == "the request has 5 tokens; the limit is 4 per request"
+    with pytest.raises(RequestError) as refused:
+        build([[1, 2]], return_entropy=1)
+    assert str(refused.value) == "return_entropy = 1 must be true or false"
+    with pytest.raises(RequestError) as refused:
+        build([[1, 2]], ["x" * 100])  # an echoed value is cut to 60 characters
+    assert str(refused.value) == f"score_from[0] = '{'x' * 59}... must be an integer"
+    assert (TooLarge.status, RequestError.status) == (413, 422)
+
+
+def test_the_edges_are_accepted_and_stored_flat():
+    request = build([[0, 9], [1, 2, 3, 4, 5, 6, 7, 8], np.array([5, 6, 7])], score_from=[2, 1, np.int64(3)],
+                    temperature=[0.01, 100, np.float32(0.5)], return_entropy=np.bool_(False), max_tokens=13)
+    assert sequences(request) == [[0, 9], [1, 2, 3, 4, 5, 6, 7, 8], [5, 6, 7]]
+    assert request.offsets.tolist() == [0, 2, 10, 13] and len(request) == 3
+    assert request.score_from.tolist() == [2, 1, 3] and request.temperature.tolist() == [0.01, 100.0, 0.5]
+    assert request.scored.tolist() == [0, 7, 0]  # score_from at the last token: nothing scored, not refused
+    assert request.result_offsets().tolist() == [0, 0, 7, 7]
+    assert request.return_entropy is False
+    assert (request.tokens.dtype, request.offsets.dtype, request.score_from.dtype, request.temperature.dtype) == (
+        np.int32, np.int64, np.int64, np.float64)
+    one = build([(3, 4)], score_from=np.uint64(2), temperature=2)  # scalars apply to every sequence
+    assert sequences(one) == [[3, 4]] and one.score_from.tolist() == [2] and one.temperature.tolist() == [2.0]
+
+
+@st.composite
+def splits(draw):
+    """A request of 1-9 sequences of 2-6 tokens (score_from anywhere, the last token included) and its sequences
+    cut into parts of any order and size."""
+    n = draw(st.integers(1, 9))
+    seqs = [draw(st.lists(st.integers(0, VOCAB - 1), min_size=2, max_size=6)) for _ in range(n)]
+    starts = [draw(st.integers(1, len(s))) for s in seqs]
+    temps = [draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in range(n)]
+    order = draw(st.permutations(range(n)))
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), max_size=4, unique=True))) if n > 1 else []
+    parts = np.split(np.array(order, dtype=np.int64), cuts)
+    return build(seqs, starts, temps, return_entropy=draw(st.booleans())), seqs, parts
+
+
+@given(splits())
+def test_parts_scored_apart_merge_back_in_request_order(case):
+    request, seqs, parts = case
+    shares = [request.select(index) for index in parts]
+    for index, share in zip(parts, shares, strict=True):
+        assert sequences(share) == [seqs[i] for i in index]
+        assert np.array_equal(share.score_from, request.score_from[index])
+        assert np.array_equal(share.temperature, request.temperature[index])
+    merged = ScoreResult.merge([(index, score(s, 3)) for index, s in zip(parts, shares, strict=True)],
+                               len(request), request.return_entropy)
+    whole = score(request, 3)
+    assert np.array_equal(merged.offsets, request.result_offsets()) and merged.weights_version == 3
+    assert merged.log_probs.tobytes() == whole.log_probs.tobytes()
+    if request.return_entropy:
+        assert merged.entropy.tobytes() == whole.entropy.tobytes()
+    else:
+        assert merged.entropy is None
+    for got, seq, start in zip(merged.sequences(), seqs, request.score_from.tolist(), strict=True):
+        assert got.log_probs.tolist() == seq[start:] and got.weights_version == 3
+        want = list(range(start, len(seq))) if request.return_entropy else None
+        assert (got.entropy if want is None else got.entropy.tolist()) == want
+
+
+@given(splits())
+def test_spans_concatenated_are_the_whole(case):
+    request, _, parts = case
+    cuts = np.cumsum([0] + [len(p) for p in parts])
+    spans = [(lo, hi) for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)]
+    joined = ScoreRequest.concat([request.span(lo, hi) for lo, hi in spans])
+    for field in ("tokens", "offsets", "score_from", "temperature"):
+        assert np.array_equal(getattr(joined, field), getattr(request, field)), field
+    result = score(request)
+    for lo, hi in spans:
+        assert result.span(lo, hi).log_probs.tobytes() == score(request.span(lo, hi)).log_probs.tobytes()
+
+
+def test_parts_of_two_weights_versions_are_not_merged():
+    request = build([[1, 2, 3], [4, 5]])
+    parts = [(np.array([0]), score(request.select([0]), 4)), (np.array([1]), score(request.select([1]), 5))]
+    with pytest.raises(ValueError, match=r"^parts of versions \[4, 5\] cannot be merged$"):
+        ScoreResult.merge(parts, 2, True)
+
+
+@pytest.mark.parametrize(
+    "versions, stale",
+    [([7], []), ([2, 2, 2], []), ([3, 1], [1]), ([1, 3, 2, 3], [0, 2]), ([5, 4, 4, 5], [1, 2])],
+)
+def test_parts_older_than_the_newest_are_the_stale_ones(versions, stale):
+    assert stale_parts(versions) == stale
+
+
+@pytest.mark.parametrize("counts", [[], [0, 0], [1], [3, 0, 2, 1], [0, 5, 0]])
+def test_ragged_index_is_the_concatenation_of_the_ranges(counts):
+    counts = np.array(counts, dtype=np.int64)
+    starts = np.arange(len(counts), dtype=np.int64) * 7 + 3
+    want = [i for s, c in zip(starts.tolist(), counts.tolist(), strict=True) for i in range(s, s + c)]
+    got = ragged_index(starts, counts)
+    assert got.dtype == np.int64 and got.tolist() == want
