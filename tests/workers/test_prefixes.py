@@ -27,7 +27,8 @@ def test_nested_partial_and_identical_sequences_form_one_tree_each_token_once():
     for s, path in paths.items():  # a path is the sequence, piece by piece
         got = [t for p in path for t in tokens_of(request, int(trees.seq[p]))[trees.start[p] : trees.end[p]]]
         assert got == seqs[s], s
-        assert trees.start[path[0]] == 0 and all(trees.start[b] == trees.end[a] for a, b in zip(path, path[1:], strict=False))
+        assert trees.start[path[0]] == 0
+        assert all(trees.start[b] == trees.end[a] for a, b in zip(path, path[1:], strict=False))
     assert paths[0][:-1] == paths[4][:-1] == paths[1][:-1]  # the task prompt, within the system prompt
     assert paths[2][:2] == paths[0][:2] and len(paths[2]) == 3
     assert paths[3] == [trees.leaf[3]] and trees.parent[trees.leaf[3]] == -1  # shares nothing
