@@ -2,11 +2,11 @@
 are laid out as one forest of pieces, each token computed once.
 
 A piece is a run of tokens [start, end) that all its members hold at the same positions. Its members' next tokens
-come from its children; a sequence's tokens are the pieces on its path, root to leaf. A node's piece stops one token
-before the members' shared tokens end, so that its last position predicts a token they all share (the first of each
-child): its label is the next token in the row, as in a sequence of its own. A piece attends to the keys of its
-ancestors, then to its own (varlen attention with more keys than queries, causal from the bottom right), which are
-the keys that token meets in its whole sequence, in the same order.
+come from its children; a sequence's tokens are the pieces on its path, root to its last piece (a sequence that ends
+where its group's shared tokens end has none of its own). A piece attends to the keys of its ancestors, then to its
+own (varlen attention with more keys than queries, causal from the bottom right), which are the keys each token
+meets in its whole sequence, in the same order. A node's last position predicts a different token for each child:
+the head is given each scored position's label (and temperature) explicitly.
 
 Numpy only: the worker plans here, the model runs the plan (models/patch_model.py, varlen_attention.attend).
 """
@@ -29,11 +29,12 @@ class Forest:
     start: np.ndarray
     end: np.ndarray
     parent: np.ndarray
-    leaf: dict[int, int]  # sequence (request index) -> its last piece
+    leaf: dict[int, int]  # sequence (request index) -> its last piece (several may end in one)
 
     @property
     def shared(self) -> bool:
-        return bool((self.parent >= 0).any())
+        """Whether any piece belongs to more than one sequence."""
+        return bool((self.parent >= 0).any()) or len(set(self.leaf.values())) < len(self.leaf)
 
     @property
     def tokens(self) -> int:
@@ -49,16 +50,17 @@ class Forest:
         return out[::-1]
 
     def roots(self) -> list[tuple[np.ndarray, int]]:
-        """Each tree's member sequences and the tokens it computes."""
+        """Each tree's member sequences, in its depth-first order (that of their tokens: halves of it still share),
+        and the tokens it computes."""
         root = np.arange(len(self.seq))
         for i, p in enumerate(self.parent):  # (a parent comes before its children)
             if p >= 0:
                 root[i] = root[p]
         members: dict[int, list[int]] = {}
-        for seq, piece in self.leaf.items():
+        for seq, piece in self.leaf.items():  # (in depth-first order)
             members.setdefault(int(root[piece]), []).append(seq)
         cost = np.bincount(root, weights=self.end - self.start, minlength=len(root))
-        return [(np.array(sorted(m), dtype=np.int64), int(cost[r])) for r, m in sorted(members.items())]
+        return [(np.array(m, dtype=np.int64), int(cost[r])) for r, m in sorted(members.items())]
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -79,7 +81,9 @@ def forest(request: ScoreRequest, seqs: np.ndarray, min_shared: int) -> Forest:
 
     def runs(i: int, j: int, first: int, up: int):
         """The runs of [i, j) that share at least min_shared tokens from `first` on, in order."""
-        cuts = [i, *(k + 1 for k in range(i, j - 1) if lcp[k] < first + min_shared + 1), j]
+        if i >= j:  # (every member of a node ended in it)
+            return iter(())
+        cuts = [i, *(k + 1 for k in range(i, j - 1) if lcp[k] < first + min_shared), j]
         return iter([(a, b, first, up) for a, b in zip(cuts, cuts[1:], strict=False)])
 
     stack = [runs(0, len(order), 0, -1)]  # depth first, without recursion (nesting can be deep)
@@ -93,10 +97,13 @@ def forest(request: ScoreRequest, seqs: np.ndarray, min_shared: int) -> Forest:
         if b - a == 1:  # a leaf: the rest of its sequence
             end.append(ordered[a].size)
             leaf[int(seqs[order[a]])] = len(seq) - 1
-        else:  # a node: the tokens its members share but the last, then its children
+        else:  # a node: the tokens its members share, then its children (those that go on)
             shared = int(lcp[a : b - 1].min())
-            end.append(shared - 1)
-            stack.append(runs(a, b, shared - 1, len(seq) - 1))
+            end.append(shared)
+            while a < b and ordered[a].size == shared:  # ends here (a prefix sorts before what extends it)
+                leaf[int(seqs[order[a]])] = len(seq) - 1
+                a += 1
+            stack.append(runs(a, b, shared, len(seq) - 1))
     as_array = lambda x: np.array(x, dtype=np.int64)  # noqa: E731
     return Forest(as_array(seq), as_array(start), as_array(end), as_array(parent), leaf)
 
@@ -104,9 +111,9 @@ def forest(request: ScoreRequest, seqs: np.ndarray, min_shared: int) -> Forest:
 @dataclass(frozen=True)
 class RowPlan:
     """One packed row of a forest: its tokens and positions, each piece's queries (cu_q) and the keys they attend
-    (kv_index into the row, cu_k), and the head's work: each distinct (position, temperature) scored once (`scored`,
-    `temperature`), and where each result entry takes its value from (`take`, into those; `dst`, into the request's
-    flat results)."""
+    (kv_index into the row, cu_k), and the head's work: each distinct (position, label, temperature) scored once
+    (`scored`, `labels`, `temperature`), and where each result entry takes its value from (`take`, into those;
+    `dst`, into the request's flat results)."""
 
     ids: np.ndarray
     positions: np.ndarray
@@ -114,6 +121,7 @@ class RowPlan:
     kv_index: np.ndarray
     cu_k: np.ndarray
     scored: np.ndarray
+    labels: np.ndarray
     temperature: np.ndarray
     take: np.ndarray
     dst: np.ndarray
@@ -131,7 +139,7 @@ def row_plan(request: ScoreRequest, trees: Forest, result_offsets: np.ndarray) -
     kv_index = ragged_index(at[keys], lengths[keys])
     key_counts = np.add.reduceat(lengths[keys], np.cumsum(per_piece) - per_piece)
     # a sequence's entry k scores its token score_from + k, predicted at position score_from + k - 1
-    src, dst, temp = [], [], []
+    src, dst, label, temp = [], [], [], []
     for s in trees.leaf:
         first, last = int(request.score_from[s]) - 1, int(request.lengths[s]) - 1  # positions predicting a token
         for piece in trees.path(s):
@@ -139,10 +147,11 @@ def row_plan(request: ScoreRequest, trees: Forest, result_offsets: np.ndarray) -
             if lo < hi:
                 src.append(np.arange(lo, hi) - trees.start[piece] + at[piece])
                 dst.append(np.arange(lo, hi) - first + result_offsets[s])
+                label.append(request.tokens[request.offsets[s] + lo + 1 : request.offsets[s] + hi + 1])
                 temp.append(np.full(hi - lo, request.temperature[s]))
-    src, dst, temp = (np.concatenate(x) if x else np.zeros(0) for x in (src, dst, temp))
-    pairs, take = np.unique(np.column_stack([src, temp]), axis=0, return_inverse=True)
+    src, dst, label, temp = (np.concatenate(x) if x else np.zeros(0) for x in (src, dst, label, temp))
+    triples, take = np.unique(np.column_stack([src, label, temp]), axis=0, return_inverse=True)
     cumulative = lambda n: np.concatenate([[0], np.cumsum(n)]).astype(np.int32)  # noqa: E731
     return RowPlan(ids, ragged_index(trees.start, lengths), cumulative(lengths), kv_index, cumulative(key_counts),
-                   pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.float32), take.reshape(-1),
-                   dst.astype(np.int64))
+                   triples[:, 0].astype(np.int64), triples[:, 1].astype(np.int64), triples[:, 2].astype(np.float32),
+                   take.reshape(-1), dst.astype(np.int64))

@@ -32,25 +32,29 @@ def test_nested_partial_and_identical_sequences_form_one_tree_each_token_once():
     assert paths[0][:-1] == paths[4][:-1] == paths[1][:-1]  # the task prompt, within the system prompt
     assert paths[2][:2] == paths[0][:2] and len(paths[2]) == 3
     assert paths[3] == [trees.leaf[3]] and trees.parent[trees.leaf[3]] == -1  # shares nothing
-    assert paths[5][0] == paths[0][0] and trees.end[paths[5][0]] == 3  # a sequence that is another's prefix
+    assert paths[5] == paths[0][:1] and trees.end[paths[5][0]] == 4  # another's prefix: no piece of its own
     for p, up in enumerate(trees.parent):  # depth first: a node just before its first child
         if up >= 0 and p == min(q for q, u in enumerate(trees.parent) if u == up):
             assert p == up + 1
-    # SYSTEM[:3], SYSTEM[3], SYSTEM[3:36], SYSTEM[36] + TASK, three ends after TASK + [1], [9] * 4 after SYSTEM[36],
-    # and the sequence that shares nothing
-    shared_once = 3 + 1 + 33 + 12 + (3 + 3 + 2) + 5 + 20
+    # SYSTEM[:4], SYSTEM[4:], TASK + [1], three ends ([2, 3] twice: shorter than the minimum), [9] * 4 after
+    # SYSTEM, and the sequence that shares nothing
+    shared_once = 4 + 33 + 12 + (2 + 2 + 1) + 4 + 20
     assert trees.tokens == shared_once < sum(map(len, seqs))
-    roots = {tuple(members.tolist()): cost for members, cost in trees.roots()}
+    roots = {tuple(sorted(members.tolist())): cost for members, cost in trees.roots()}
     assert roots == {(0, 1, 2, 4, 5): trees.tokens - 20, (3,): 20}
 
 
-@pytest.mark.parametrize("min_shared", [1, 36, 37, 200])
+@pytest.mark.parametrize("min_shared", [1, 37, 38, 200])
 def test_a_prefix_shorter_than_the_minimum_is_not_shared(min_shared):
     seqs = [SYSTEM + [1, 2], SYSTEM + [3, 4, 5]]
     trees = forest(build(seqs), np.arange(2), min_shared)
-    # the piece stops one short of the shared tokens: 37 shared give a piece of 36
-    assert trees.shared == (min_shared <= 36)
-    assert trees.tokens == (36 + 3 + 4 if trees.shared else 39 + 40)
+    assert trees.shared == (min_shared <= 37)
+    assert trees.tokens == (37 + 2 + 3 if trees.shared else 39 + 40)
+
+
+def test_identical_sequences_are_computed_once():
+    trees = forest(build([SYSTEM, SYSTEM, SYSTEM + [1]]), np.arange(3), 8)
+    assert trees.tokens == 38 and trees.leaf[0] == trees.leaf[1] == trees.path(2)[0]
 
 
 def test_the_row_plan_gives_each_sequence_its_keys_positions_and_entries():
@@ -69,7 +73,8 @@ def test_the_row_plan_gives_each_sequence_its_keys_positions_and_entries():
             (i,) = np.flatnonzero(plan.dst == offsets[s] + e)
             row = plan.scored[plan.take[i]]
             assert plan.positions[row] == starts[s] + e - 1 and plan.temperature[plan.take[i]] == temps[s]
-            assert plan.ids[row + 1] == seq[starts[s] + e]  # the next token in the row is the one scored
-    # positions scored by several sequences at one temperature are scored once
+            assert plan.labels[plan.take[i]] == seq[starts[s] + e]
+    # a position scored by several sequences against one token at one temperature is scored once
     assert plan.scored.size < plan.dst.size == offsets[-1]
-    assert len(set(zip(plan.scored.tolist(), plan.temperature.tolist(), strict=True))) == plan.scored.size
+    triples = zip(plan.scored.tolist(), plan.labels.tolist(), plan.temperature.tolist(), strict=True)
+    assert len(set(triples)) == plan.scored.size

@@ -137,6 +137,7 @@ def _forward_for_ppo(
     compute_entropy: bool = True,
     checked_inputs: bool = False,
     pieces: varlen_attention.Pieces | None = None,
+    scored_labels: Tensor | None = None,
     *,
     backend: Backend,
     softcap: float | None,
@@ -149,9 +150,9 @@ def _forward_for_ppo(
     if process_group is None and (shard := held_shard(self)) is not None:
         raise RuntimeError(f"this model holds rank {shard.rank} of {shard.size}'s part: it scores once "
                            "patched with its group (patch_model(model, process_group=...), tensor_parallel.connect)")
-    if pieces is not None and (input_ids.shape[0] != 1 or attention_mask is not None or scored is None):
-        raise ValueError("a row laid out in pieces (shared prefixes) is one row, with position_ids and scored")
-    # in pieces, a position's label is the next token in the row (prefixes.py); a sequence's last is never scored
+    if pieces is not None and (input_ids.shape[0] != 1 or attention_mask is not None or scored_labels is None):
+        raise ValueError("a row laid out in pieces (shared prefixes) is one row, with position_ids, scored and "
+                         "scored_labels (a node's last position predicts a token for each child)")
     segments = None if pieces is not None else packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
     if segments is not None and attention_mask is not None:
@@ -182,6 +183,8 @@ def _forward_for_ppo(
         labels = labels[wanted]
         if row_of is not None:
             labels = labels.masked_fill(row_of[wanted] < 0, _IGNORE)
+        if scored_labels is not None:  # ([N], given: pieces)
+            labels = scored_labels
         if isinstance(temperature, Tensor) and not (temperature.dim() == 1 and scored is not None):
             temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]  # (1-D: one per scored position)
     elif isinstance(temperature, Tensor):

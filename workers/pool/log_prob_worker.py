@@ -273,13 +273,16 @@ class LogProbWorker:
         lengths = request.lengths[group]
         if self.layout == "padded":
             return [group[b] for b in pad_batches(lengths, limit)]
-        if self.min_shared_prefix is None:
+        trees = None if self.min_shared_prefix is None else forest(request, group, self.min_shared_prefix)
+        if trees is None or not trees.shared:
             return [group[r] for r in pack_rows(lengths, limit)]
-        units, todo = [], [group]
+        units, todo = [], [trees]
         while todo:
-            for members, cost in forest(request, todo.pop(), self.min_shared_prefix).roots():
-                if cost > limit and len(members) > 1:
-                    todo += [members[: len(members) // 2], members[len(members) // 2 :]]  # (sorted: halves share)
+            trees = todo.pop()
+            for members, cost in trees.roots():
+                if cost > limit and len(members) > 1:  # in two halves, in their order (sorted): each still shares
+                    half = len(members) // 2
+                    todo += [forest(request, part, self.min_shared_prefix) for part in (members[:half], members[half:])]
                 else:
                     units.append((members, cost))
         rows = pack_rows(np.array([cost for _, cost in units], dtype=np.int64), limit)
@@ -374,8 +377,8 @@ class LogProbWorker:
 
     def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray,
                        tensors: bool) -> tuple[dict, tuple[np.ndarray, np.ndarray], int]:
-        """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, temperature) scored
-        once."""
+        """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, label, temperature)
+        scored once."""
         plan = row_plan(request, trees, offsets)
         if not tensors:
             return {}, (plan.dst, plan.take), trees.tokens
@@ -387,7 +390,8 @@ class LogProbWorker:
         pieces = Pieces(device(plan.cu_q), int(np.diff(plan.cu_q).max()),
                         Keys(device(plan.kv_index), device(plan.cu_k), int(lengths_k.max())))
         inputs = dict(input_ids=device(plan.ids)[None], position_ids=device(plan.positions)[None],
-                      temperature=device(plan.temperature), scored=device(plan.scored), pieces=pieces)
+                      temperature=device(plan.temperature), scored=device(plan.scored),
+                      scored_labels=device(plan.labels), pieces=pieces)
         return inputs, (plan.dst, plan.take), trees.tokens
 
     def _forward(self, **inputs):

@@ -1,0 +1,112 @@
+"""Shared prefixes (GRPO groups): LogProbWorker.score with its defaults (sequences sharing at least 128 tokens
+compute them once) against the same worker with sharing off (min_shared_prefix=None), in one run, on the same
+sequences. Tokens/s count each sequence's whole length. Also: how many sequences' log-probs and entropies differ
+between the two (the invariant mode promises none).
+
+Cases: G responses of R tokens to each of two prompts of P tokens (G/P/R = 8/4096/1024, 16/1024/512,
+4/8192/2048); mixed GRPO groups (P in 256..8192, R in 64..4096, G in 4..16); and nothing shared (random sequences
+of the mixed case's lengths), where sharing must cost nothing.
+
+  python benchmarks/bench_prefix.py --out prefix.json     # Qwen2.5-7B shape, random bf16 weights, one GPU
+  python benchmarks/bench_prefix.py --tiny                # a dry run on the CPU, tiny config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+from bench_model import QWEN25_7B, TINY, build
+
+from ppo_logprobs.workers import LogProbWorker, patch_model
+from ppo_logprobs.workers.pool.log_prob_worker import MIN_SHARED_PREFIX
+
+
+def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[list[int]], list[int]]:
+    """For each (G, P, R): G sequences of one prompt of P tokens and a response of R; and where responses start."""
+    seqs, starts = [], []
+    for g, p, r in shapes:
+        prompt = rng.integers(0, vocab, p).tolist()
+        for _ in range(g):
+            seqs.append(prompt + rng.integers(0, vocab, r).tolist())
+            starts.append(p)
+    return seqs, starts
+
+
+def timed(worker: LogProbWorker, seqs, starts, reps: int) -> tuple[float, list]:
+    """Median seconds of `reps` calls after one warm-up, and the last call's results."""
+    results, seconds = worker.score(seqs, starts), []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        results = worker.score(seqs, starts)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), results
+
+
+def differing(a: list, b: list) -> int:
+    return sum(not (np.array_equal(x.log_probs, y.log_probs) and np.array_equal(x.entropy, y.entropy))
+               for x, y in zip(a, b, strict=True))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
+    parser.add_argument("--fast", action="store_true", help="the fast mode (patch_model(invariant=False))")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="the worker's max_tokens_per_batch")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    options = {k: v for k, v in dict(fast=args.fast, max_tokens=args.max_tokens).items()
+               if v != dict(fast=False, max_tokens=16384)[k]}
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
+    patch_model(model, backend="torch" if args.tiny else "auto", invariant=not args.fast)
+    vocab, rng = model.config.vocab_size, np.random.default_rng(0)
+    scale = 32 if args.tiny else 1  # the tiny run: lengths / 32, and a minimum shared of 128 / 32
+    shared = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
+                           min_shared_prefix=MIN_SHARED_PREFIX // scale)
+    plain = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
+                          min_shared_prefix=None)
+    mixed = [(int(rng.integers(4, 17)), int(rng.integers(256, 8193)), int(rng.integers(64, 4097))) for _ in range(6)]
+    cases = {f"G={g} P={p} R={r}": [(g, p, r)] * 2 for g, p, r in ((8, 4096, 1024), (16, 1024, 512), (4, 8192, 2048))}
+    cases["mixed GRPO groups"] = mixed
+    rows = []
+    for name, shapes in [*cases.items(), ("nothing shared", None)]:
+        if shapes is None:  # the mixed case's lengths, every sequence its own
+            seqs = [rng.integers(0, vocab, (p + r) // scale).tolist() for g, p, r in mixed for _ in range(g)]
+            starts = [1] * len(seqs)
+        else:
+            seqs, starts = groups(rng, vocab, [(g, p // scale, r // scale) for g, p, r in shapes])
+        tokens = sum(map(len, seqs))
+        before = dict(shared.stats)
+        t_shared, got = timed(shared, seqs, starts, 1 if args.tiny else args.reps)
+        computed = (shared.stats["computed_tokens"] - before["computed_tokens"]) // (2 if args.tiny else args.reps + 1)
+        t_plain, expected = timed(plain, seqs, starts, 1 if args.tiny else args.reps)
+        rows.append(dict(case=name, sequences=len(seqs), tokens=tokens, computed_tokens=computed,
+                         shared_tokens_per_s=tokens / t_shared, unshared_tokens_per_s=tokens / t_plain,
+                         speedup=t_plain / t_shared, token_ratio=tokens / computed,
+                         sequences_differing=differing(got, expected)))
+        print(json.dumps(rows[-1]), flush=True)
+    meta = dict(model="tiny" if args.tiny else "Qwen2.5-7B shape, random bf16", device=str(device),
+                torch=torch.__version__, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
+                min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"options: {options or 'defaults'}")
+    print(f"{'case':>24}{'seqs':>6}{'tokens':>9}{'computed':>10}{'shared tok/s':>14}{'unshared':>10}{'speedup':>9}"
+          f"{'differ':>8}")
+    for r in rows:
+        print(f"{r['case']:>24}{r['sequences']:>6}{r['tokens']:>9}{r['computed_tokens']:>10}"
+              f"{r['shared_tokens_per_s']:>14.0f}{r['unshared_tokens_per_s']:>10.0f}{r['speedup']:>9.2f}"
+              f"{r['sequences_differing']:>8}")
+
+
+if __name__ == "__main__":
+    main()
