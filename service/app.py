@@ -42,6 +42,8 @@ class GatewayMetrics:
         self.requests = Counter("ppo_logprobs_requests", "HTTP requests by status", ["status", "replica"],
                                 registry=self.registry)
         self.tokens = Counter("ppo_logprobs_tokens", "tokens scored, by model", model, registry=self.registry)
+        self.shared = Counter("ppo_logprobs_shared_tokens", "tokens not computed again: shared prefixes, by model",
+                              model, registry=self.registry)
         self.latency = Histogram(
             "ppo_logprobs_latency_seconds", "time from queueing to results, by model", model,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
@@ -54,8 +56,9 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def observe(self, model: str, tokens: int, seconds: float) -> None:
+    def observe(self, model: str, tokens: int, seconds: float, shared: int = 0) -> None:
         self.tokens.labels(model=model, replica=self.replica).inc(tokens)
+        self.shared.labels(model=model, replica=self.replica).inc(max(shared, 0))
         self.latency.labels(model=model, replica=self.replica).observe(seconds)
 
     def sample(self, models: dict[str, ServedModel]) -> None:

@@ -26,13 +26,14 @@ def pool_spec(settings: Settings, path: str) -> dict:
     """What a pool is made from: a running pool with another spec is replaced, not attached to."""
     return dict(path=path, workers=settings.workers_per_model, gpus_per_worker=settings.gpus_per_worker,
                 max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
-                max_restarts=settings.max_restarts, dtype=settings.dtype, backend=settings.backend)
+                max_restarts=settings.max_restarts, dtype=settings.dtype, backend=settings.backend,
+                min_shared_prefix=settings.min_shared_prefix)
 
 
 def _load_options(settings: Settings) -> dict:
     import torch
 
-    options: dict = dict(backend=settings.backend)
+    options: dict = dict(backend=settings.backend, min_shared_prefix=settings.min_shared_prefix)
     if settings.dtype:
         dtype = getattr(torch, settings.dtype, None)
         if not isinstance(dtype, torch.dtype):

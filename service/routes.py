@@ -147,10 +147,11 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
         if not result.all_finite():
             raise NonFiniteResults(f"model {name} produced non-finite log-probs (weights version "
                                    f"{result.weights_version})")
-        tokens = int(scores.offsets[-1])
-        gw.metrics.observe(name, tokens, time.perf_counter() - start)
+        tokens, computed = int(scores.offsets[-1]), result.computed_tokens(scores.lengths)
+        gw.metrics.observe(name, tokens, time.perf_counter() - start, shared=tokens - computed)
         header = {"model": name, "weights_version": result.weights_version,
-                  "usage": {"sequences": len(scores), "tokens": tokens, "scored_tokens": int(result.offsets[-1])}}
+                  "usage": {"sequences": len(scores), "tokens": tokens, "scored_tokens": int(result.offsets[-1]),
+                            "computed_tokens": computed}}
         binary = wants_binary(request.headers.get("accept", ""))
         encode = encode_binary if binary else encode_json
         entropy = result.entropy if parsed.return_entropy else None

@@ -30,6 +30,8 @@ class Usage(BaseModel):
     sequences: int
     tokens: int
     scored_tokens: int
+    computed_tokens: int  # tokens the forwards computed for these sequences: fewer than `tokens` where they share a
+    # prefix (a piece shared by k sequences counts 1/k to each, so joined requests split it between them)
 
 
 class LogProbsResponse(BaseModel):

@@ -49,6 +49,15 @@ class Forest:
             piece = int(self.parent[piece])
         return out[::-1]
 
+    def shares(self) -> dict[int, float]:
+        """Each sequence's part of the tokens computed: a piece shared by k sequences counts 1/k to each."""
+        lengths = (self.end - self.start).astype(np.float64)
+        members = np.zeros(len(self.seq))
+        paths = {s: self.path(s) for s in self.leaf}
+        for path in paths.values():
+            members[path] += 1
+        return {s: float((lengths[path] / members[path]).sum()) for s, path in paths.items()}
+
     def roots(self) -> list[tuple[np.ndarray, int]]:
         """Each tree's member sequences, in its depth-first order (that of their tokens: halves of it still share),
         and the tokens it computes."""

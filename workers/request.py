@@ -216,6 +216,13 @@ class ScoreResult:
     entropy: np.ndarray | None  # float32 [scored], or None
     offsets: np.ndarray  # int64 [n + 1]
     weights_version: int
+    # float64 [n]: the tokens computed for each sequence, a piece shared by k sequences counting 1/k to each
+    # (workers/prefixes.py); None: not told (then each sequence's own length)
+    computed: np.ndarray | None = None
+
+    def computed_tokens(self, lengths: np.ndarray) -> int:
+        """The tokens computed for these sequences (whose lengths are `lengths`)."""
+        return int(lengths.sum()) if self.computed is None else int(round(float(self.computed.sum())))
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -229,7 +236,8 @@ class ScoreResult:
         """Sequences lo .. hi - 1 (views, no copy)."""
         a, b = self.offsets[lo], self.offsets[hi]
         entropy = self.entropy[a:b] if self.entropy is not None else None
-        return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version)
+        computed = None if self.computed is None else self.computed[lo:hi]
+        return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version, computed)
 
     @staticmethod
     def merge(parts: Sequence[tuple[np.ndarray, ScoreResult]], n: int, entropy: bool) -> ScoreResult:
@@ -250,7 +258,12 @@ class ScoreResult:
         versions = {part.weights_version for _, part in parts}
         if len(versions) > 1:
             raise ValueError(f"parts of versions {sorted(versions)} cannot be merged")
-        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1)
+        computed = None
+        if all(part.computed is not None for _, part in parts):
+            computed = np.zeros(n)
+            for index, part in parts:
+                computed[index] = part.computed
+        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed)
 
     def all_finite(self) -> bool:
         return bool(np.isfinite(self.log_probs).all() and (self.entropy is None or np.isfinite(self.entropy).all()))

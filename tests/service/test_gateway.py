@@ -63,7 +63,7 @@ def test_results_equal_the_model_in_order(server, tiny):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == "policy" and body["weights_version"] == 0
-    assert body["usage"] == {"sequences": 12, "tokens": sum(map(len, seqs)),
+    assert body["usage"] == {"sequences": 12, "tokens": sum(map(len, seqs)), "computed_tokens": sum(map(len, seqs)),
                              "scored_tokens": sum(len(s) - k for s, k in zip(seqs, starts, strict=True))}
     for res, seq, s in zip(body["results"], seqs, starts, strict=True):
         check(res, tiny, seq, s, 0.8)

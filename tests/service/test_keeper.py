@@ -12,7 +12,7 @@ from ppo_logprobs.service.keeper import _load_options, pool_spec
 
 # settings of the pool itself: a running pool made with another value of any of them is replaced
 POOL = dict(workers_per_model=2, gpus_per_worker=1.0, max_tokens_per_batch=100, worker_resources={"big": 1.0},
-            max_restarts=0, dtype="bfloat16", backend="torch")
+            max_restarts=0, dtype="bfloat16", backend="torch", min_shared_prefix=4)
 # settings of the gateway only: keepers that differ in these attach to one pool
 GATEWAY = dict(batch_tokens=7, batch_wait_ms=0.0, max_queue=3, max_batches_in_flight=1, ingress_replicas=3,
                request_timeout_s=1.0, max_request_tokens=5000, port=9000, api_key="k")
@@ -29,8 +29,9 @@ def test_a_running_pool_is_attached_to_only_when_made_with_the_same_spec():
 
 
 def test_new_pools_get_the_settings_dtype_and_backend():
-    assert _load_options(Settings()) == {"backend": "auto"}
-    assert _load_options(Settings(dtype="bfloat16", backend="torch")) == {"backend": "torch", "dtype": torch.bfloat16}
+    assert _load_options(Settings()) == {"backend": "auto", "min_shared_prefix": 128}
+    assert _load_options(Settings(dtype="bfloat16", backend="torch", min_shared_prefix=None)) == {
+        "backend": "torch", "dtype": torch.bfloat16, "min_shared_prefix": None}
     for dtype in ("bf16", "Tensor"):  # not a name in torch; a name in torch that is not a dtype
         with pytest.raises(ValueError) as refused:
             _load_options(Settings(dtype=dtype))

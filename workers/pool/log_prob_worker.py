@@ -194,6 +194,7 @@ class LogProbWorker:
             gpu=gpu_uuid(self.device),
             weights_version=self.weights_version,
             max_tokens_per_batch=self.max_tokens_per_batch,
+            min_shared_prefix=self.min_shared_prefix,
             pid=os.getpid(),
             scoring=self.scoring,
             **self.stats,
@@ -247,13 +248,14 @@ class LogProbWorker:
         offsets = request.result_offsets()
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
+        computed = lengths.astype(np.float64)  # (shared rows say less)
         limit = self.max_tokens_per_batch
         queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
         while queue:  # most it may cost
             group, limit = queue.pop()
             sizes = lengths[group]
             try:
-                cost = self._score_group(request, group, limit, offsets, log_probs, entropy)
+                cost = self._score_group(request, group, limit, offsets, log_probs, entropy, computed)
             except torch.OutOfMemoryError:
                 cost = self._group_inputs(request, group, limit, offsets, tensors=False)[2]
                 if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
@@ -265,7 +267,7 @@ class LogProbWorker:
                 half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
                 log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
                 queue.extend((part, half) for part in self._split(request, group, half))
-        return ScoreResult(log_probs, entropy, offsets, self.weights_version)
+        return ScoreResult(log_probs, entropy, offsets, self.weights_version, computed)
 
     def _split(self, request: ScoreRequest, group: np.ndarray, limit: int) -> list[np.ndarray]:
         """These sequences (request indices) in forwards of at most `limit` tokens computed; sequences that share a
@@ -295,14 +297,17 @@ class LogProbWorker:
         return bucket_length(int(lengths.sum()), limit) if self.row_buckets else int(lengths.sum())
 
     def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                     log_probs: np.ndarray, entropy: np.ndarray | None) -> int:
-        """One forward of these sequences; writes their entries; returns its cost in tokens."""
-        inputs, (dst, take), cost = self._group_inputs(request, group, limit, offsets)
+                     log_probs: np.ndarray, entropy: np.ndarray | None, computed: np.ndarray) -> int:
+        """One forward of these sequences; writes their entries (and, sharing prefixes, their parts of the tokens
+        computed); returns its cost in tokens."""
+        inputs, (dst, take, shares), cost = self._group_inputs(request, group, limit, offsets)
         with self.room(cost):
             out = self._forward(**inputs, compute_entropy=entropy is not None)
         log_probs[dst] = out.log_probs.cpu().numpy()[take]
         if entropy is not None:
             entropy[dst] = out.entropy.cpu().numpy()[take]
+        if shares is not None:
+            computed[list(shares)] = list(shares.values())
         self.stats["rows"] += 1
         self.stats["computed_tokens"] += cost
         self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
@@ -324,7 +329,7 @@ class LogProbWorker:
         offsets = request.result_offsets()
         log_probs, entropy, where = [], [], []
         for group in self._split(request, np.arange(len(request)), self.max_tokens_per_batch):
-            inputs, (dst, take), _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
+            inputs, (dst, take, _), _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
             out = self._forward(**inputs, compute_entropy=return_entropy)
             take = torch.from_numpy(take).to(self.device)
             log_probs.append(out.log_probs[take])
@@ -338,10 +343,11 @@ class LogProbWorker:
         return per_sequence(log_probs), per_sequence(entropy) if return_entropy else None
 
     def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                      tensors: bool = True) -> tuple[dict, tuple[np.ndarray, np.ndarray], int]:
+                      tensors: bool = True) -> tuple[dict, tuple, int]:
         """One forward's inputs for these sequences (on the device; not made without `tensors`), where its results
         go in the request's flat results (whose sequence starts are `offsets`): entry dst[i] takes the forward's
-        result take[i]; and its cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
+        result take[i]; each sequence's part of the tokens computed, where prefixes are shared (else None); and its
+        cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
         if self.min_shared_prefix is not None:
             trees = forest(request, group, self.min_shared_prefix)
             if trees.shared:
@@ -370,18 +376,18 @@ class LogProbWorker:
         src = ragged_index(at + starts - 1, lengths - starts)
         dst = ragged_index(offsets[:-1][group], lengths - starts)
         if not tensors:
-            return {}, (dst, np.arange(dst.size)), cost
+            return {}, (dst, np.arange(dst.size), None), cost
         made = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
         made["scored"] = torch.from_numpy(src).to(self.device)
-        return made, (dst, np.arange(dst.size)), cost
+        return made, (dst, np.arange(dst.size), None), cost
 
     def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray,
-                       tensors: bool) -> tuple[dict, tuple[np.ndarray, np.ndarray], int]:
+                       tensors: bool) -> tuple[dict, tuple, int]:
         """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, label, temperature)
         scored once."""
         plan = row_plan(request, trees, offsets)
         if not tensors:
-            return {}, (plan.dst, plan.take), trees.tokens
+            return {}, (plan.dst, plan.take, None), trees.tokens
 
         def device(x: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(x).to(self.device)
@@ -392,7 +398,7 @@ class LogProbWorker:
         inputs = dict(input_ids=device(plan.ids)[None], position_ids=device(plan.positions)[None],
                       temperature=device(plan.temperature), scored=device(plan.scored),
                       scored_labels=device(plan.labels), pieces=pieces)
-        return inputs, (plan.dst, plan.take), trees.tokens
+        return inputs, (plan.dst, plan.take, trees.shares()), trees.tokens
 
     def _forward(self, **inputs):
         return self.model(**inputs, checked_inputs=True)  # (the request was validated where it came in)

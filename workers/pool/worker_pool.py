@@ -27,6 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
+from ..prefixes import forest
 from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, SequenceScores, stale_parts
 from ..sharding import check_shardable
 from ..weights.keep import rank_copy
@@ -176,17 +177,32 @@ def balance_by_tokens(lengths: np.ndarray, num_shares: int) -> list[np.ndarray]:
     return [np.array(sorted(share), dtype=np.int64) for share in shares]
 
 
-async def score_on_pool(owner, workers: list, request: ScoreRequest) -> ScoreResult:
+def shares_of(request: ScoreRequest, num_shares: int, min_shared_prefix: int | None) -> list[np.ndarray]:
+    """balance_by_tokens, keeping sequences that share a prefix (the workers' min_shared_prefix) in one share, by
+    the tokens they compute."""
+    if num_shares == 1 or min_shared_prefix is None:
+        return balance_by_tokens(request.lengths, num_shares)
+    trees = forest(request, np.arange(len(request)), min_shared_prefix)
+    if not trees.shared:
+        return balance_by_tokens(request.lengths, num_shares)
+    units = trees.roots()
+    shares = balance_by_tokens(np.array([cost for _, cost in units], dtype=np.int64), num_shares)
+    return [np.sort(np.concatenate([units[u][0] for u in share] or [np.zeros(0, np.int64)])) for share in shares]
+
+
+async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_prefix: int | None = None
+                        ) -> ScoreResult:
     """Dispatches shares to the actors and awaits them (from any event loop), all of one weights version: a dead
     actor's share goes to the next, a restarted actor without weights is restored by the owner first, and shares
-    answered with an older version than the newest seen (an update landing mid-call) are asked again."""
+    answered with an older version than the newest seen (an update landing mid-call) are asked again. Sequences
+    that share a prefix (at least `min_shared_prefix` tokens, the workers') go to one actor."""
     pending: dict[asyncio.Future, tuple[np.ndarray, int, int]] = {}
 
     def submit(share: np.ndarray, worker: int, attempt: int) -> None:
         ref = workers[worker].score_request.remote(request.select(share))
         pending[asyncio.wrap_future(ref.future())] = (share, worker, attempt)
 
-    for w, share in enumerate(balance_by_tokens(request.lengths, len(workers))):
+    for w, share in enumerate(shares_of(request, len(workers), min_shared_prefix)):
         if share.size:
             submit(share, w, 1)
     done: list[tuple[np.ndarray, int, int, ScoreResult]] = []
@@ -236,8 +252,8 @@ def _run(coroutine):
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def _score_task(owner, workers: list, request: ScoreRequest) -> list[SequenceScores]:
-    return _run(score_on_pool(owner, workers, request)).sequences()
+def _score_task(owner, workers: list, request: ScoreRequest, min_shared_prefix: int | None) -> list[SequenceScores]:
+    return _run(score_on_pool(owner, workers, request, min_shared_prefix)).sequences()
 
 
 class WorkerPool:
@@ -250,6 +266,7 @@ class WorkerPool:
         self.name = name
         self.vocab_size = info["vocab_size"]
         self.max_tokens_per_batch = info["max_tokens_per_batch"]
+        self.min_shared_prefix = info.get("min_shared_prefix")
         self.device = info["device"]
         self.ranks = info.get("ranks", 1)  # per worker (tensor parallelism)
         self._placements = list(placements)
@@ -378,7 +395,7 @@ class WorkerPool:
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request from an event loop (the gateway's path: two Ray hops, no task between)."""
-        return await score_on_pool(self.owner, self.workers, request)
+        return await score_on_pool(self.owner, self.workers, request, self.min_shared_prefix)
 
     def compute_log_probs(
         self,
@@ -390,7 +407,7 @@ class WorkerPool:
         """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
         log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length)."""
         request = self.request(input_ids, score_from, temperature, return_entropy)
-        return _run(score_on_pool(self.owner, self.workers, request)).sequences()
+        return _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix)).sequences()
 
     def compute_log_probs_async(
         self,
@@ -401,7 +418,7 @@ class WorkerPool:
     ) -> ray.ObjectRef:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
         request = self.request(input_ids, score_from, temperature, return_entropy)
-        return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request)
+        return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request, self.min_shared_prefix)
 
     def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef, *,
                        allow_non_finite: bool = False) -> int:

@@ -92,6 +92,24 @@ def check_loaded(path):
         torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
 
 
+def check_shared_prefixes():
+    """A rank's LogProbWorker lays GRPO groups out in pieces as a whole model's does, with the same results."""
+    import numpy as np
+
+    from ppo_logprobs.workers import LogProbWorker
+    from tests.workers.pool.test_shared_prefixes import grpo_batch
+
+    seqs, starts, temps = grpo_batch(8)
+    whole = LogProbWorker(load_model("tiny", backend="torch"), layout="packed", min_shared_prefix=4)
+    part = LogProbWorker(load_model("tiny", backend="torch", process_group=dist.group.WORLD), layout="packed",
+                         min_shared_prefix=4)
+    want, got = whole.score(seqs, starts, temps), part.score(seqs, starts, temps)
+    assert part.stats["computed_tokens"] == whole.stats["computed_tokens"] < part.stats["tokens"]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.log_probs, b.log_probs, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a.entropy, b.entropy, rtol=0, atol=1e-5)
+
+
 def same_on_every_rank(x):
     parts = [torch.empty_like(x) for _ in range(WORLD)]
     dist.all_gather(parts, x.contiguous())
@@ -106,6 +124,7 @@ def run(rank, port, cases, path):
         for family in ("qwen2", "gemma3"):
             check_built(rank, family)
         check_loaded(path)
+        check_shared_prefixes()
         dist.barrier()  # neither rank tears the group down while the other still uses it (a gloo abort at exit)
     finally:
         dist.destroy_process_group()

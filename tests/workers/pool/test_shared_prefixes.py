@@ -113,3 +113,40 @@ def test_on_cuda_shared_prefixes_give_each_sequence_its_bits_in_the_invariant_mo
     expected = [LogProbWorker(gpu, min_shared_prefix=None).score([s], [f], [t])[0]
                 for s, f, t in zip(seqs, starts, temps, strict=True)]
     assert_close(got, expected, 0.0 if invariant else 5e-2)  # (fast mode: bf16 GEMMs may split their sums)
+
+
+def test_a_pool_sends_each_group_to_one_worker_balanced_by_the_tokens_computed():
+    from ppo_logprobs.workers.pool.worker_pool import shares_of
+    from ppo_logprobs.workers.prefixes import forest
+
+    seqs, starts, temps = grpo_batch(6)
+    worker = LogProbWorker("tiny", layout="packed", backend="torch", max_tokens_per_batch=400)
+    request = worker.request(seqs, starts, temps)
+    trees = forest(request, np.arange(len(seqs)), 4)
+    groups = [set(members.tolist()) for members, _ in trees.roots()]
+    assert max(map(len, groups)) > 2
+    shares = shares_of(request, 3, 4)
+    assert sorted(i for share in shares for i in share.tolist()) == list(range(len(seqs)))
+    for group in groups:  # each group whole in one share
+        assert sum(bool(group & set(share.tolist())) for share in shares) == 1
+    computed = [forest(request, share, 4).tokens for share in shares]
+    assert max(computed) - min(computed) <= max(cost for _, cost in trees.roots())
+    assert [s.tolist() for s in shares_of(request, 3, None)] != [s.tolist() for s in shares]  # (by lengths alone)
+
+
+def test_each_sequence_is_told_its_part_of_the_tokens_computed_through_spans_and_merges(model):
+    """A piece shared by k sequences counts 1/k to each: parts of a call (the batcher's spans of joined requests,
+    the pool's shares) add up to what the call computed."""
+    from ppo_logprobs.workers.request import ScoreResult
+
+    seqs, starts, temps = grpo_batch(7)
+    worker = LogProbWorker(model, layout="packed", min_shared_prefix=4)
+    request = worker.request(seqs, starts, temps)
+    result = worker.score_request(request)
+    assert result.computed_tokens(request.lengths) == worker.stats["computed_tokens"] < request.offsets[-1]
+    assert (result.computed <= request.lengths).all() and (result.computed > 0).all()
+    halves = [(np.arange(0, 5), result.span(0, 5)), (np.arange(5, len(seqs)), result.span(5, len(seqs)))]
+    merged = ScoreResult.merge(halves[::-1], len(seqs), True)
+    assert np.array_equal(merged.computed, result.computed)
+    alone = LogProbWorker(model, layout="packed", min_shared_prefix=None).score_request(request)
+    assert alone.computed_tokens(request.lengths) == request.offsets[-1]
