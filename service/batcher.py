@@ -158,8 +158,9 @@ class Batcher:
             item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
                                     item.calls_waited or 0))
             return
-        if item.attempts >= VERSION_ATTEMPTS:
-            item.future.set_exception(WeightsChanged(f"the weights changed during the request {item.attempts} times"))
+        if item.attempts > VERSION_ATTEMPTS:  # (asked again VERSION_ATTEMPTS times, as the pool and the client do)
+            item.future.set_exception(WeightsChanged(f"the weights changed during the request {VERSION_ATTEMPTS} "
+                                                     "times; retry"))
             return
         item.attempts += 1
         item.todo.extend(item.parts[i][:2] for i in late)

@@ -33,7 +33,7 @@ def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
     (or, for int, an integer beyond int64, named as given rather than wrapped)."""
     dtype = np.int64 if kind is int else np.float64
     ok = "iu" if kind is int else "iuf"
-    scalar = not isinstance(value, (Sequence, np.ndarray))
+    scalar = isinstance(value, str) or not isinstance(value, (Sequence, np.ndarray)) or np.ndim(value) == 0
     if not scalar and len(value) != n:
         raise RequestError(f"{name} has {len(value)} entries for {n} sequences")
     values = np.asarray(value)
@@ -45,6 +45,8 @@ def _per_sequence(name: str, value, n: int, kind: type) -> np.ndarray:
                                                                                          (float, np.floating)))):
                 raise RequestError(f"{where} = {_value(v)} must be {'an integer' if kind is int else 'a number'}")
             if kind is int and not _INT64[0] <= int(v) < _INT64[1]:
+                raise RequestError(f"{where} = {_value(v)} is out of range")
+            if kind is float and isinstance(v, int) and not abs(v) < 2**1024:  # (beyond float64)
                 raise RequestError(f"{where} = {_value(v)} is out of range")
     return np.full(n, values, dtype=dtype) if scalar else values.astype(dtype)
 
@@ -58,7 +60,8 @@ def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(input_ids, (Sequence, np.ndarray)) or isinstance(input_ids, str) or len(input_ids) == 0:
         raise RequestError("input_ids must be a non-empty list of token lists")
     for i, seq in enumerate(input_ids):
-        if not isinstance(seq, (Sequence, np.ndarray)) or isinstance(seq, str):
+        if (not isinstance(seq, (Sequence, np.ndarray)) or isinstance(seq, str)
+                or isinstance(seq, np.ndarray) and seq.ndim != 1):
             raise RequestError(f"input_ids[{i}] = {_value(seq)} is not a list of token ids")
     lengths = np.fromiter((len(s) for s in input_ids), dtype=np.int64, count=len(input_ids))
     if all(isinstance(s, np.ndarray) for s in input_ids):
@@ -69,11 +72,14 @@ def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
             tokens = np.zeros((0, 0)) if _has_bools(flat) else np.asarray(flat)
         except (TypeError, ValueError):  # not a list of lists of scalars
             tokens = np.zeros((0, 0))
-    if tokens.size and tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+    if tokens.size and tokens.dtype.kind not in "iu" or tokens.ndim != 1 or (
+            tokens.dtype.kind == "u" and tokens.size and tokens.max() >= _INT64[1]):
         for i, seq in enumerate(input_ids):
             for k, x in enumerate(seq):
                 if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
                     raise RequestError(f"input_ids[{i}][{k}] = {_value(x)} is not a token id (an integer)")
+                if not _INT64[0] <= int(x) < _INT64[1]:
+                    raise RequestError(f"input_ids[{i}][{k}] = {_value(x)} is outside the vocabulary")
         raise RequestError("input_ids must be a list of lists of token ids")
     return lengths, tokens.astype(np.int64, copy=False)
 

@@ -85,6 +85,29 @@ def test_the_other_refusals_name_what_is_wrong():
     assert (TooLarge.status, RequestError.status) == (413, 422)
 
 
+@pytest.mark.parametrize("input_ids, score_from, temperature, message", [
+    # (each was taken wrongly before: flattened rows, a bare OverflowError or TypeError, a string as a list, a
+    # uint64 wrapped to -1)
+    ([np.array([[1, 2], [3, 4]]), np.array([5, 6])], 1, 1.0, "input_ids[0] = array([[1, 2],"),
+    ([[1, 2]], 1, 10**400, "temperature = 1000"),
+    ([[1, 2]], 1, [10**400], "temperature[0] = 1000"),
+    ([[1, 2]], 1, "1.0", "temperature = '1.0' must be a number"),
+    ([[1, 2], [3, 4]], "12", 1.0, "score_from = '12' must be an integer"),
+    ([np.array([2**64 - 1, 1], dtype=np.uint64)], 1, 1.0, "input_ids[0][0] = np.uint64(18446744073709551615) is "
+                                                          "outside the vocabulary"),
+    ([[1, 2**63]], 1, 1.0, "input_ids[0][1] = 9223372036854775808 is outside the vocabulary"),
+])
+def test_odd_python_and_numpy_values_are_refused_by_name(input_ids, score_from, temperature, message):
+    with pytest.raises(RequestError) as refused:
+        build(input_ids, score_from, temperature)
+    assert str(refused.value).startswith(message)
+
+
+def test_numpy_scalars_are_scalars():
+    request = build([[1, 2, 3]], np.array(2), np.array(0.5))
+    assert request.score_from.tolist() == [2] and request.temperature.tolist() == [0.5]
+
+
 def test_the_edges_are_accepted_and_stored_flat():
     request = build([[0, 9], [1, 2, 3, 4, 5, 6, 7, 8], np.array([5, 6, 7])], score_from=[2, 1, np.int64(3)],
                     temperature=[0.01, 100, np.float32(0.5)], return_entropy=np.bool_(False), max_tokens=13)
