@@ -39,13 +39,21 @@ class LogProbError(RuntimeError):
 SequenceLogProbs = SequenceScores  # (the client's name for it: one per-sequence result type everywhere)
 
 
+SHARED_PREFIX = 128  # first tokens that make neighbouring sequences one group (the server's min_shared_prefix)
+
+
 def _chunks(input_ids: Sequence[Sequence[int]], limit: int | None) -> list[range]:
-    """Index ranges of consecutive sequences, each under `limit` tokens (a longer sequence goes alone)."""
-    out, start, tokens = [], 0, 0
+    """Index ranges of consecutive sequences, each under `limit` tokens (a longer sequence goes alone). A part ends
+    before a group of neighbours that share their first SHARED_PREFIX tokens (a GRPO group) rather than inside it,
+    unless the group began before the part did: the server computes a group's prefix once per request."""
+    out, start, tokens, group = [], 0, 0, 0
     for i, seq in enumerate(input_ids):
+        if i and list(input_ids[i - 1][:SHARED_PREFIX]) != list(seq[:SHARED_PREFIX]) or len(seq) < SHARED_PREFIX:
+            group = i  # (a new group, or none)
         if limit is not None and tokens and tokens + len(seq) > limit:
-            out.append(range(start, i))
-            start, tokens = i, 0
+            cut = group if group > start else i
+            out.append(range(start, cut))
+            start, tokens = cut, sum(len(s) for s in input_ids[cut:i])
         tokens += len(seq)
     out.append(range(start, len(input_ids)))
     return out

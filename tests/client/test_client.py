@@ -320,3 +320,12 @@ def test_help_of_each_command(command, expected):
     done = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0 and expected in done.stdout
+
+
+def test_a_request_is_cut_between_groups_of_a_shared_prompt_not_inside_them():
+    prompts = [[p] * 130 for p in (1, 2, 3)]
+    seqs = [prompt + [9] * 10 for prompt in prompts for _ in range(3)]  # three groups of three, 140 tokens each
+    assert _chunks(seqs, 700) == [range(0, 3), range(3, 6), range(6, 9)]  # not 5 sequences, then 4
+    assert _chunks(seqs, 300) == [range(0, 2), range(2, 3), range(3, 5), range(5, 6), range(6, 8), range(8, 9)]
+    short = [[1, 2, 3]] * 9  # shorter than a shared prefix: cut where the limit falls
+    assert _chunks(short, 12) == [range(0, 4), range(4, 8), range(8, 9)]
