@@ -89,6 +89,7 @@ class Gateway:
                 pool.score, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
                 max_queue=share(settings.max_queue, replicas),
                 max_in_flight=share(settings.max_batches_in_flight, replicas), timeout_s=settings.request_timeout_s,
+                min_shared_prefix=settings.min_shared_prefix,
             )
             self.models[name] = ServedModel(pool, batcher, pool.vocab_size)
 

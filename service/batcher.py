@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ppo_logprobs.workers.errors import WeightsChanged
+from ppo_logprobs.workers.prefixes import neighbour_groups
 from ppo_logprobs.workers.request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
 
 from .errors import Overloaded, WorkersTimedOut
@@ -29,6 +30,7 @@ class _Waiting:
     parts: list = field(default_factory=list)  # (lo, hi, ScoreResult) received
     calls_waited: int | None = None  # calls started after it was queued and before its first
     attempts: int = 1
+    groups: np.ndarray | None = None  # where each sequence's run of neighbours sharing a prompt begins
 
 
 class Batcher:
@@ -36,8 +38,10 @@ class Batcher:
     scoring function; at most `max_in_flight` calls run at once."""
 
     def __init__(self, score: Callable[[ScoreRequest], Awaitable[ScoreResult]], *, batch_tokens: int, wait_s: float,
-                 max_queue: int, max_in_flight: int, timeout_s: float = 300.0) -> None:
+                 max_queue: int, max_in_flight: int, timeout_s: float = 300.0,
+                 min_shared_prefix: int | None = None) -> None:
         self.score = score
+        self.min_shared_prefix = min_shared_prefix  # the workers': a cut falls between groups of a shared prompt
         self.batch_tokens = batch_tokens
         self.wait_s = wait_s
         self.max_queue = max_queue
@@ -57,7 +61,8 @@ class Batcher:
             self._spawn(self._run())
         if len(self.waiting) >= self.max_queue:
             raise Overloaded(retry_after=1.0)
-        item = _Waiting(request, asyncio.get_running_loop().create_future(), self.calls)
+        item = _Waiting(request, asyncio.get_running_loop().create_future(), self.calls,
+                        groups=neighbour_groups(request, self.min_shared_prefix))
         item.todo.append((0, len(request)))
         self.waiting.append(item)
         self._wake.set()
@@ -105,6 +110,9 @@ class Batcher:
                 lo, hi = item.todo[0]
                 end = int(np.searchsorted(offsets, offsets[lo] + room, side="right")) - 1
                 end = min(hi, max(end, lo + 1 if not batch else lo))
+                inside = end < hi and lo < item.groups[end] < end  # the cut would split a group begun in this span
+                if inside:
+                    end = int(item.groups[end])  # (the group goes whole in a later call)
                 if end == lo:
                     break
                 batch.append((item, lo, end))
@@ -114,6 +122,8 @@ class Batcher:
                 item.todo[0] = (end, hi)
                 if end == hi:
                     item.todo.popleft()
+                if inside:
+                    break
             if item.todo:
                 self.waiting.append(item)  # to the back of the line
         return batch

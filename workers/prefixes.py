@@ -164,3 +164,17 @@ def row_plan(request: ScoreRequest, trees: Forest, result_offsets: np.ndarray) -
     return RowPlan(ids, ragged_index(trees.start, lengths), cumulative(lengths), kv_index, cumulative(key_counts),
                    triples[:, 0].astype(np.int64), triples[:, 1].astype(np.int64), triples[:, 2].astype(np.float32),
                    take.reshape(-1), dst.astype(np.int64))
+
+
+def neighbour_groups(request: ScoreRequest, min_shared: int | None) -> np.ndarray:
+    """For each sequence, where the run of neighbours it belongs to begins: sequences next to each other that share
+    their first `min_shared` tokens (a GRPO group, as requests hold them); each sequence alone without a minimum. A
+    cut between calls moves to a run's start rather than falling inside it."""
+    n = len(request)
+    if min_shared is None or n < 2:
+        return np.arange(n)
+    long = np.flatnonzero(request.lengths >= min_shared)
+    heads = request.tokens[ragged_index(request.offsets[long], np.full(long.size, min_shared))].reshape(-1, min_shared)
+    joined = np.zeros(n, dtype=bool)  # continues the run of the sequence before it
+    joined[long[1:][(heads[1:] == heads[:-1]).all(axis=1) & (np.diff(long) == 1)]] = True
+    return np.maximum.accumulate(np.where(joined, 0, np.arange(n)))

@@ -91,6 +91,25 @@ def test_a_large_request_is_cut_into_calls_in_order_and_a_small_one_goes_in_the_
     assert any((c.lengths == 10).any() for c in scorer.calls[:3])  # in turn, not after the whole large request
 
 
+def test_a_request_is_cut_between_groups_of_a_shared_prompt_not_inside_them():
+    """Three groups of three sequences (a prompt of 8 shared tokens, then 2 of their own): calls of 35 tokens take
+    one group each (30 tokens), not 3.5 sequences; a group larger than a call is cut where the budget falls."""
+    async def run(seqs, batch_tokens):
+        scorer = Scorer()
+        result, _ = await batcher(scorer, batch_tokens=batch_tokens, min_shared_prefix=8).submit(request(seqs))
+        return scorer, result
+
+    g = np.random.default_rng(5)
+    seqs = [prompt + g.integers(0, 50, 2).tolist() for prompt in (g.integers(0, 50, 8).tolist() for _ in range(3))
+            for _ in range(3)]
+    scorer, result = asyncio.run(run(seqs, 35))
+    check(result, seqs)
+    assert [len(c) for c in scorer.calls] == [3, 3, 3]
+    scorer, result = asyncio.run(run(seqs, 25))  # a group of 30 tokens: in two calls
+    check(result, seqs)
+    assert [len(c) for c in scorer.calls] == [2, 1, 2, 1, 2, 1]
+
+
 def test_a_full_queue_answers_overloaded():
     async def run():
         scorer = Scorer()
