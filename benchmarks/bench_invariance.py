@@ -5,7 +5,9 @@ Study (the default): random-length sequences scored
 - packed with the others into rows of three budgets, in three orders, so each lands at other offsets among
   other neighbours;
 - by pools of one and of two workers (Ray actors, other processes; with --pool);
-- by a trainer: the patched model's own forward with gradients on, right-padded micro-batches of 4096 tokens.
+- by a trainer: the patched model's own forward with gradients on, right-padded micro-batches of 4096 tokens;
+- and, apart, GRPO groups (responses to shared prompts) by a worker that computes each prompt once, against each
+  sequence alone with sharing off.
 Each is compared with "alone": the largest |difference| of log-probs and entropies, and how many sequences
 differ at all. Run for the invariant mode (patch_model's default) and the fast one (invariant=False), and for
 the invariant mode with HF's own forwards for norms, MLPs and attention blocks (what fuse_body replaces).
@@ -109,6 +111,26 @@ def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str) -> dict
             print(f"{label:>28} {case:>34} {r['max_lp']:10.3g} {r['max_entropy']:10.3g} "
                   f"{r['sequences_differing']:4d}/{len(seqs)}", flush=True)
     return dict(results=results, alone=alone)
+
+
+def shared_study(model: torch.nn.Module, vocab: int, label: str, cuda: bool) -> dict:
+    """GRPO groups (2..8 responses to each of 8 prompts) scored by a worker that shares their prompts (prefixes.py),
+    against each sequence scored alone with sharing off."""
+    rng = np.random.default_rng(3)
+    lo, hi, minimum, budget = (300, 3000, 128, 32768) if cuda else (6, 30, 4, 400)
+    seqs = []
+    for _ in range(8):
+        prompt = rng.integers(0, vocab, int(rng.integers(lo, hi))).tolist()
+        seqs += [prompt + rng.integers(0, vocab, int(rng.integers(1, hi // 4))).tolist()
+                 for _ in range(int(rng.integers(2, 9)))]
+    alone_worker = LogProbWorker(model, layout="packed", min_shared_prefix=None)
+    alone = [(r.log_probs, r.entropy) for r in (alone_worker.score([s])[0] for s in seqs)]
+    sharing = LogProbWorker(model, layout="packed", min_shared_prefix=minimum, max_tokens_per_batch=budget)
+    got = [(r.log_probs, r.entropy) for r in sharing.score(seqs)]
+    r = dict(**compare(got, alone), tokens=sum(map(len, seqs)), computed_tokens=sharing.stats["computed_tokens"])
+    print(f"{label:>28} {'shared prefixes (GRPO groups)':>34} {r['max_lp']:10.3g} {r['max_entropy']:10.3g} "
+          f"{r['sequences_differing']:4d}/{len(seqs)}", flush=True)
+    return r
 
 
 def by_pool(model: str, workers: int, seqs: list, budget: int, **options) -> list:
@@ -270,6 +292,7 @@ def main() -> None:
             if not fused:
                 unfuse_body(worker.model)
             modes[label] = study(worker, seqs, budgets, label)
+            modes[label]["results"]["shared prefixes (GRPO groups)"] = shared_study(worker.model, vocab, label, cuda)
         patch_model(worker.model, backend=backend)
         out["modes"] = {k: v["results"] for k, v in modes.items()}
         if args.pool:

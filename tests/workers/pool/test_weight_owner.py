@@ -1,6 +1,7 @@
 """Weight updates through a pool's owner on a local Ray cluster: trainer processes streaming over gloo, refusals that
 change nothing, a trainer killed mid-stream, restarted workers after each source, versions from two handles."""
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -315,3 +316,28 @@ def test_a_restarted_owner_counts_on_and_finds_its_workers(pool, tmp_path):
     second = pool.update_weights(path)
     assert second > first
     assert_serves(pool, load_model(path, backend="torch"), second)
+
+
+@ray.remote(concurrency_groups={"staging": 1})
+class _HungReader:
+    """A worker whose checkpoint read never ends (a hung network file system), scoring meanwhile."""
+
+    def stage_checkpoint(self, path, version, check=False):
+        threading.Event().wait()
+
+    def ping(self):
+        return "scoring"
+
+
+def test_a_checkpoint_read_past_its_deadline_fails_the_update_and_the_worker_keeps_answering(cluster, monkeypatch):
+    from ppo_logprobs.workers.errors import UpdateFailed
+    from ppo_logprobs.workers.pool import owner
+
+    monkeypatch.setattr(owner, "READ_DEADLINE_S", 1.0)
+    worker = _HungReader.remote()
+    try:
+        with pytest.raises(UpdateFailed, match=r"did not finish reading the checkpoint '/mnt/slow/ckpt' within 1 s"):
+            asyncio.run(owner.WeightOwner._read(worker, "/mnt/slow/ckpt", 3))
+        assert ray.get(worker.ping.remote(), timeout=10) == "scoring"
+    finally:
+        ray.kill(worker)
