@@ -62,8 +62,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out")
     args = parser.parse_args()
-    options = {k: v for k, v in dict(fast=args.fast, max_tokens=args.max_tokens).items()
-               if v != dict(fast=False, max_tokens=16384)[k]}
+    defaults = dict(fast=False, max_tokens=16384, reps=3)
+    options = {k: getattr(args, k) for k in defaults if getattr(args, k) != defaults[k]}
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
     patch_model(model, backend="torch" if args.tiny else "auto", invariant=not args.fast)
@@ -77,7 +77,10 @@ def main() -> None:
     cases = {f"G={g} P={p} R={r}": [(g, p, r)] * 2 for g, p, r in ((8, 4096, 1024), (16, 1024, 512), (4, 8192, 2048))}
     cases["mixed GRPO groups"] = mixed
     rows = []
-    for name, shapes in [*cases.items(), ("nothing shared", None)]:
+    meta = dict(model="tiny" if args.tiny else "Qwen2.5-7B shape, random bf16", device=str(device),
+                torch=torch.__version__, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
+                min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options)
+    for name, shapes in [("nothing shared", None), *cases.items()]:
         if shapes is None:  # the mixed case's lengths, every sequence its own
             seqs = [rng.integers(0, vocab, (p + r) // scale).tolist() for g, p, r in mixed for _ in range(g)]
             starts = [1] * len(seqs)
@@ -93,12 +96,9 @@ def main() -> None:
                          speedup=t_plain / t_shared, token_ratio=tokens / computed,
                          sequences_differing=differing(got, expected)))
         print(json.dumps(rows[-1]), flush=True)
-    meta = dict(model="tiny" if args.tiny else "Qwen2.5-7B shape, random bf16", device=str(device),
-                torch=torch.__version__, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-                min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        if args.out:  # (after each case: a run cut short keeps what it measured)
+            with open(args.out, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"options: {options or 'defaults'}")
     print(f"{'case':>24}{'seqs':>6}{'tokens':>9}{'computed':>10}{'shared tok/s':>14}{'unshared':>10}{'speedup':>9}"
           f"{'differ':>8}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 20 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7 model"
-# (default: all but model). Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
+# Issues 20-22 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
+# (the default) and "model sync prefix gputests" (asked by name). Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests loop15 weights step loop7}  # and big15: the 1.5B loop at 256 rollouts
@@ -10,7 +10,7 @@ if [[ $STAGES == *tests* ]]; then
   timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/workers/pool/test_weights_cuda.py ${TESTS:-tests/workers/weights} \
     2>&1 | tee "$OUT/tests.log" | tail -3
 fi
-[[ -d /tmp/q15 || ! $STAGES =~ loop15|big15 ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b
+[[ -d /tmp/q15 || ! $STAGES =~ loop15|big15|sync ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q15 --shape 1.5b
 [[ -d /tmp/q7 || ! $STAGES =~ weights|step|loop7 ]] || python3 benchmarks/bench_pool.py --save-random /tmp/q7
 if [[ $STAGES == *loop15* ]]; then
   timeout 200 python3 examples/ppo_loop.py --model /tmp/q15 --steps 4 --out "$OUT/ppo_loop_q15.json" 2>&1 \
@@ -39,4 +39,15 @@ fi
 if [[ $STAGES == *model* ]]; then  # issue 21: the worker's scoring after the actor's restructuring (7B shape)
   timeout ${MODEL_S:-200} python3 benchmarks/bench_model.py --skip-naive --skip-fixed --worker-only --out "$OUT/model.json" \
     2>&1 | tee "$OUT/model.log" | quiet | tail -6
+fi
+if [[ $STAGES == *sync* ]]; then  # issue 20: where a colocated sync's time goes (1.5B)
+  timeout ${SYNC_S:-200} python3 benchmarks/bench_sync.py --model /tmp/q15 --out "$OUT/sync.json" 2>&1 \
+    | tee "$OUT/sync.log" | quiet | tail -10
+fi
+if [[ $STAGES == *prefix* ]]; then  # issue 22: shared prefixes, shared against unshared (7B shape)
+  (cd benchmarks && timeout ${PREFIX_S:-300} python3 bench_prefix.py --reps 2 --out "$OUT/prefix.json") 2>&1 \
+    | tee "$OUT/prefix.log" | quiet | tail -8
+fi
+if [[ $STAGES == *gputests* ]]; then  # every GPU-marked test
+  timeout ${GPUTESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -4
 fi

@@ -10,6 +10,9 @@ Rows may pack several sequences: position_ids restarting at 0 mark where each be
 takes its label from, another sequence. Where varlen attention runs (varlen_attention.py: CUDA, 16-bit, an
 attention it takes) every call becomes one row of its real tokens, whatever its layout; elsewhere packed rows of
 1024 tokens or more run flex_attention on CUDA (it skips masked blocks) and other calls the model's own attention.
+A row may instead be laid out in `pieces` (shared prefixes, workers/prefixes.py): one row of tokens at their own
+positions, each piece attending to the keys its plan gives it, with `scored`, `scored_labels` and
+`scored_temperature` ([N] each) saying what the head scores.
 The body's norms, MLPs and attention blocks get fused forwards (fuse_body.py). No [B, T, V] logits are made. Only
 the instance and its modules are patched (`types.MethodType`); no class is touched.
 """
@@ -138,6 +141,7 @@ def _forward_for_ppo(
     checked_inputs: bool = False,
     pieces: varlen_attention.Pieces | None = None,
     scored_labels: Tensor | None = None,
+    scored_temperature: Tensor | None = None,
     *,
     backend: Backend,
     softcap: float | None,
@@ -185,8 +189,10 @@ def _forward_for_ppo(
             labels = labels.masked_fill(row_of[wanted] < 0, _IGNORE)
         if scored_labels is not None:  # ([N], given: pieces)
             labels = scored_labels
-        if isinstance(temperature, Tensor) and not (temperature.dim() == 1 and scored is not None):
-            temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]  # (1-D: one per scored position)
+        if scored_temperature is not None:
+            temperature = scored_temperature
+        elif isinstance(temperature, Tensor):
+            temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]
     elif isinstance(temperature, Tensor):
         temperature = temperature.expand(input_ids.shape).reshape(-1)
     log_probs, entropy = fused_log_probs(

@@ -396,8 +396,8 @@ class LogProbWorker:
         pieces = Pieces(device(plan.cu_q), int(np.diff(plan.cu_q).max()),
                         Keys(device(plan.kv_index), device(plan.cu_k), int(lengths_k.max())))
         inputs = dict(input_ids=device(plan.ids)[None], position_ids=device(plan.positions)[None],
-                      temperature=device(plan.temperature), scored=device(plan.scored),
-                      scored_labels=device(plan.labels), pieces=pieces)
+                      scored=device(plan.scored), scored_labels=device(plan.labels),
+                      scored_temperature=device(plan.temperature), pieces=pieces)
         return inputs, (plan.dst, plan.take, trees.shares()), trees.tokens
 
     def _forward(self, **inputs):
