@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import TooLarge, WeightsUnavailable
-from ..models import load_model
+from ..models import load_model, varlen_attention
 from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
 from ..prefixes import Forest, forest, row_plan
@@ -153,8 +153,9 @@ class LogProbWorker:
         flex = packed_attention_of(self.model, torch.device(self.device)) == "flex"
         self.row_buckets = flex if row_buckets is None else row_buckets
         # sequences sharing a prefix of at least this many tokens compute it once (prefixes.py): packed rows
-        # attending through varlen attention (or the CPU's reference of it)
-        self.min_shared_prefix = min_shared_prefix if self.layout == "packed" and not flex else None
+        # attending through varlen attention (or the CPU's reference of it), where the model's attention allows it
+        varlen = self.layout == "packed" and not flex and varlen_attention.model_allows(self.model) is None
+        self.min_shared_prefix = min_shared_prefix if varlen else None
         self.stats = dict(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         self.scoring = 0
         if cuda and held_shard(self.model) is None:  # (a rank warms up once in its group)

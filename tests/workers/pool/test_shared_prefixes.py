@@ -150,3 +150,13 @@ def test_each_sequence_is_told_its_part_of_the_tokens_computed_through_spans_and
     assert np.array_equal(merged.computed, result.computed)
     alone = LogProbWorker(model, layout="packed", min_shared_prefix=None).score_request(request)
     assert alone.computed_tokens(request.lengths) == request.offsets[-1]
+
+
+def test_no_sharing_where_varlen_attention_cannot_run_the_models_attention():
+    from ppo_logprobs.workers import patch_model
+
+    from ..models.test_patch_model import tiny
+
+    capped = patch_model(tiny("gemma2", False), backend="torch")  # attention logits capped: the model's own attention
+    assert LogProbWorker(capped, layout="packed").min_shared_prefix is None
+    assert LogProbWorker(patch_model(tiny("phi3", False), backend="torch"), layout="packed").min_shared_prefix == 128
