@@ -118,3 +118,20 @@ def test_bad_requests_fail_before_dispatch(pool):
     with pytest.raises(ValueError, match=r"score_from\[0\] = 5"):
         pool.compute_log_probs_async([[1, 2]], score_from=5)
     assert sum(h["rows"] for h in pool.health()) == rows_before
+
+
+def test_a_pool_computes_a_shared_prompt_once_and_says_so(cluster, model):
+    import asyncio
+
+    from ..pool.test_shared_prefixes import grpo_batch
+
+    pool = WorkerPool.create("tiny", 1, backend="torch", layout="packed", min_shared_prefix=4)
+    try:
+        seqs, starts, temps = grpo_batch(9)
+        assert pool.min_shared_prefix == 4
+        assert_matches(pool.compute_log_probs(seqs, starts, temps), seqs, model, starts, temps)
+        request = pool.request(seqs, starts, temps)
+        result = asyncio.run(pool.score(request))
+        assert result.computed_tokens(request.lengths) < int(request.lengths.sum())
+    finally:
+        pool.shutdown()
