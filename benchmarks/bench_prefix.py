@@ -23,7 +23,7 @@ import torch
 from bench_model import QWEN25_7B, TINY, build
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
-from ppo_logprobs.workers.pool.log_prob_worker import MIN_SHARED_PREFIX
+from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
 
 
 def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[list[int]], list[int]]:

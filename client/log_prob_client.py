@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
+from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX as SHARED_PREFIX  # (the server's default)
 from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale_parts
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
@@ -37,9 +38,6 @@ class LogProbError(RuntimeError):
 
 
 SequenceLogProbs = SequenceScores  # (the client's name for it: one per-sequence result type everywhere)
-
-
-SHARED_PREFIX = 128  # first tokens that make neighbouring sequences one group (the server's min_shared_prefix)
 
 
 def _chunks(input_ids: Sequence[Sequence[int]], limit: int | None) -> list[range]:

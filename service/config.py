@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
+from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -35,8 +37,8 @@ class Settings(BaseSettings):
     max_restarts: int = Field(-1, ge=-1, description="restarts of a dead worker by Ray (-1: always)")
     max_tokens_per_batch: int = Field(16384, ge=1, description="tokens per forward in a worker (max length too)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
-    min_shared_prefix: int | None = Field(128, ge=1, description="sequences of one worker call sharing at least this "
-                                          "many first tokens compute them once (None: never)")
+    min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
+                                          "sharing at least this many first tokens compute them once (None: never)")
     max_body_bytes: int | None = Field(
         None, ge=1024, description="request body limit, checked before parsing; default: 16 bytes a token + 1 MiB"
     )

@@ -19,6 +19,8 @@ import numpy as np
 
 from .request import ScoreRequest, ragged_index
 
+MIN_SHARED_PREFIX = 128  # first tokens sequences of one call must share to compute them once (the default everywhere)
+
 
 @dataclass(frozen=True)
 class Forest:

@@ -25,15 +25,13 @@ from ..errors import TooLarge, WeightsUnavailable
 from ..models import load_model, varlen_attention
 from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
-from ..prefixes import Forest, forest, row_plan
+from ..prefixes import MIN_SHARED_PREFIX, Forest, forest, row_plan
 from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
 from ..sharding import held_shard
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
 
 log = logging.getLogger(__name__)
-
-MIN_SHARED_PREFIX = 128  # tokens sequences of one call must share to compute them once
 
 __all__ = ["LogProbWorker", "SequenceScores", "bucket_length", "pack_rows", "pad_batches"]
 Layout = Literal["packed", "padded"]
@@ -258,7 +256,7 @@ class LogProbWorker:
             try:
                 cost = self._score_group(request, group, limit, offsets, log_probs, entropy, computed)
             except torch.OutOfMemoryError:
-                cost = self._group_inputs(request, group, limit, offsets, tensors=False)[2]
+                cost = self._row_cost(request, group, limit)
                 if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
                     raise TooLarge(
                         f"a sequence of {cost} tokens does not fit in a worker's memory; send shorter sequences"
@@ -290,6 +288,12 @@ class LogProbWorker:
                     units.append((members, cost))
         rows = pack_rows(np.array([cost for _, cost in units], dtype=np.int64), limit)
         return [np.concatenate([units[u][0] for u in row]) for row in rows]
+
+    def _row_cost(self, request: ScoreRequest, group: np.ndarray, limit: int) -> int:
+        """Tokens one forward of these sequences computes, shared prefixes once, padding included."""
+        if self.min_shared_prefix is not None and (trees := forest(request, group, self.min_shared_prefix)).shared:
+            return trees.tokens
+        return self.cost(request.lengths[group], limit)
 
     def cost(self, lengths: np.ndarray, limit: int) -> int:
         """Tokens one forward of these sequences computes, padding included."""
@@ -343,16 +347,16 @@ class LogProbWorker:
 
         return per_sequence(log_probs), per_sequence(entropy) if return_entropy else None
 
-    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                      tensors: bool = True) -> tuple[dict, tuple, int]:
-        """One forward's inputs for these sequences (on the device; not made without `tensors`), where its results
+    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int,
+                      offsets: np.ndarray) -> tuple[dict, tuple, int]:
+        """One forward's inputs for these sequences (on the device), where its results
         go in the request's flat results (whose sequence starts are `offsets`): entry dst[i] takes the forward's
         result take[i]; each sequence's part of the tokens computed, where prefixes are shared (else None); and its
         cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
         if self.min_shared_prefix is not None:
             trees = forest(request, group, self.min_shared_prefix)
             if trees.shared:
-                return self._pieces_inputs(request, trees, offsets, tensors)
+                return self._pieces_inputs(request, trees, offsets)
         lengths, starts = request.lengths[group], request.score_from[group]
         cost = self.cost(lengths, limit)
         width = int(lengths.max()) if self.layout == "padded" else cost
@@ -376,19 +380,14 @@ class LogProbWorker:
         # reach the head (a prompt's positions cost no head GEMM)
         src = ragged_index(at + starts - 1, lengths - starts)
         dst = ragged_index(offsets[:-1][group], lengths - starts)
-        if not tensors:
-            return {}, (dst, np.arange(dst.size), None), cost
         made = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
         made["scored"] = torch.from_numpy(src).to(self.device)
         return made, (dst, np.arange(dst.size), None), cost
 
-    def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray,
-                       tensors: bool) -> tuple[dict, tuple, int]:
+    def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray) -> tuple[dict, tuple, int]:
         """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, label, temperature)
         scored once."""
         plan = row_plan(request, trees, offsets)
-        if not tensors:
-            return {}, (plan.dst, plan.take, None), trees.tokens
 
         def device(x: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(x).to(self.device)
