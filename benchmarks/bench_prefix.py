@@ -8,7 +8,12 @@ Cases: G responses of R tokens to each of two prompts of P tokens (G/P/R = 8/409
 of the mixed case's lengths), where sharing must cost nothing.
 
   python benchmarks/bench_prefix.py --out prefix.json     # Qwen2.5-7B shape, random bf16 weights, one GPU
+  python benchmarks/bench_prefix.py --pool /tmp/q7 --out prefix_pool.json   # the same through WorkerPool.create
   python benchmarks/bench_prefix.py --tiny                # a dry run on the CPU, tiny config
+
+With --pool PATH (a checkpoint: `bench_pool.py --save-random /tmp/q7`), the sequences go through two pools of one
+worker at their defaults, `WorkerPool.create(PATH, 1)` and the same with min_shared_prefix=None, each given half
+of the GPU (num_gpus_per_worker=0.5, so both fit on one).
 """
 
 from __future__ import annotations
@@ -37,16 +42,39 @@ def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[li
     return seqs, starts
 
 
-def timed(worker: LogProbWorker, seqs, starts, reps: int) -> tuple[float, list]:
-    """Median seconds of `reps` calls after one warm-up, and the last call's results."""
-    results, seconds = worker.score(seqs, starts), []
+def timed(score, seqs, starts, reps: int) -> tuple[float, list]:
+    """Median seconds of `reps` calls of score(seqs, starts) after one warm-up, and the last call's results."""
+    results, seconds = score(seqs, starts), []
     for _ in range(reps):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
-        results = worker.score(seqs, starts)
+        results = score(seqs, starts)
         seconds.append(time.perf_counter() - start)
     return statistics.median(seconds), results
+
+
+def computed_tokens(scorer) -> int:
+    """Tokens a LogProbWorker, or a pool's workers, computed so far."""
+    if isinstance(scorer, LogProbWorker):
+        return scorer.stats["computed_tokens"]
+    return sum(h["computed_tokens"] for h in scorer.health())
+
+
+def pools(args, options: dict) -> tuple:
+    """Two pools of one worker, at their defaults but for sharing, with half the GPU each; and the vocabulary."""
+    import ray
+
+    from ppo_logprobs.workers import WorkerPool
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    extra = dict(num_gpus_per_worker=0.5) if torch.cuda.is_available() else dict(backend="torch")
+    if args.fast:
+        extra["invariant"] = False
+    options["pool_options"] = {k: str(v) for k, v in extra.items()}
+    shared = WorkerPool.create(args.pool, 1, **extra)
+    plain = WorkerPool.create(args.pool, 1, min_shared_prefix=None, **extra)
+    return shared, plain, shared.health()[0]["vocab_size"]
 
 
 def differing(a: list, b: list) -> int:
@@ -60,24 +88,31 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true", help="the fast mode (patch_model(invariant=False))")
     parser.add_argument("--max-tokens", type=int, default=16384, help="the worker's max_tokens_per_batch")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pool", metavar="PATH", help="through two pools of this checkpoint, not a LogProbWorker")
     parser.add_argument("--out")
     args = parser.parse_args()
-    defaults = dict(fast=False, max_tokens=16384, reps=3)
+    defaults = dict(fast=False, max_tokens=16384, reps=3, pool=None)
     options = {k: getattr(args, k) for k in defaults if getattr(args, k) != defaults[k]}
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
-    model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
-    patch_model(model, backend="torch" if args.tiny else "auto", invariant=not args.fast)
-    vocab, rng = model.config.vocab_size, np.random.default_rng(0)
     scale = 32 if args.tiny else 1  # the tiny run: lengths / 32, and a minimum shared of 128 / 32
-    shared = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
-                           min_shared_prefix=MIN_SHARED_PREFIX // scale)
-    plain = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
-                          min_shared_prefix=None)
+    if args.pool:
+        shared, plain, vocab = pools(args, options)
+        score_shared, score_plain = shared.compute_log_probs, plain.compute_log_probs
+    else:
+        model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
+        patch_model(model, backend="torch" if args.tiny else "auto", invariant=not args.fast)
+        vocab = model.config.vocab_size
+        shared = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
+                               min_shared_prefix=MIN_SHARED_PREFIX // scale)
+        plain = LogProbWorker(model, max_tokens_per_batch=args.max_tokens // scale, layout="packed",
+                              min_shared_prefix=None)
+        score_shared, score_plain = shared.score, plain.score
+    rng = np.random.default_rng(0)
     mixed = [(int(rng.integers(4, 17)), int(rng.integers(256, 8193)), int(rng.integers(64, 4097))) for _ in range(6)]
     cases = {f"G={g} P={p} R={r}": [(g, p, r)] * 2 for g, p, r in ((8, 4096, 1024), (16, 1024, 512), (4, 8192, 2048))}
     cases["mixed GRPO groups"] = mixed
     rows = []
-    meta = dict(model="tiny" if args.tiny else "Qwen2.5-7B shape, random bf16", device=str(device),
+    meta = dict(model=args.pool or ("tiny" if args.tiny else "Qwen2.5-7B shape, random bf16"), device=str(device),
                 torch=torch.__version__, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
                 min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options)
     for name, shapes in [("nothing shared", None), *cases.items()]:
@@ -87,10 +122,10 @@ def main() -> None:
         else:
             seqs, starts = groups(rng, vocab, [(g, p // scale, r // scale) for g, p, r in shapes])
         tokens = sum(map(len, seqs))
-        before = dict(shared.stats)
-        t_shared, got = timed(shared, seqs, starts, 1 if args.tiny else args.reps)
-        computed = (shared.stats["computed_tokens"] - before["computed_tokens"]) // (2 if args.tiny else args.reps + 1)
-        t_plain, expected = timed(plain, seqs, starts, 1 if args.tiny else args.reps)
+        before = computed_tokens(shared)
+        t_shared, got = timed(score_shared, seqs, starts, 1 if args.tiny else args.reps)
+        computed = (computed_tokens(shared) - before) // (2 if args.tiny else args.reps + 1)
+        t_plain, expected = timed(score_plain, seqs, starts, 1 if args.tiny else args.reps)
         rows.append(dict(case=name, sequences=len(seqs), tokens=tokens, computed_tokens=computed,
                          shared_tokens_per_s=tokens / t_shared, unshared_tokens_per_s=tokens / t_plain,
                          speedup=t_plain / t_shared, token_ratio=tokens / computed,

@@ -75,6 +75,11 @@ class UpdateFailed(Transient, RuntimeError):
     and version."""
 
 
+class NotShared(UpdateFailed):
+    """A worker does not hold the tensors a sender on its GPU shared before (it was restarted): the sender shares
+    them again."""
+
+
 class WeightsUnavailable(Transient, RuntimeError):
     """A worker has no weights to serve yet (restarted and not restored)."""
 

@@ -169,12 +169,18 @@ class WeightOwner:
         except Exception as e:
             raise cause(e) from None
 
-    async def update_shared(self, shared: list, layout, allow_non_finite: bool = False) -> int:
-        """An update whose buckets are CUDA IPC handles of a sender on the workers' own GPU."""
+    async def update_shared(self, key: str, shared: list | None, layout, allow_non_finite: bool = False) -> int:
+        """An update from a sender on the workers' own GPU: the tensors it shared by CUDA IPC under `key` (`shared`,
+        their handles, when it shares them anew; None: the ones the workers hold, read again)."""
         async with self.lock:
             version = self.version + 1
-            return await self._land([staging(w, "stage_shared").remote(shared, layout, version, not allow_non_finite)
+            return await self._land([staging(w, "stage_shared").remote(key, shared, layout, version,
+                                                                       not allow_non_finite)
                                      for w in self._pool()], version, {"stream": True})
+
+    async def release_shared(self, key: str) -> None:
+        """Every worker lets go of the tensors shared under `key` (the sender closes)."""
+        await asyncio.gather(*(w.release_shared.remote(key) for w in self.workers), return_exceptions=True)
 
     async def devices(self) -> list[str]:
         """Each worker's GPU (its UUID), or its device when it has none; every rank's for tensor-parallel workers."""

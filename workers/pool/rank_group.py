@@ -264,6 +264,9 @@ class RankGroup:
         # (its ranks hold one GPU each; a sender on one of them is refused before this)
         raise UpdateFailed("tensor-parallel workers take weights over NCCL or gloo, not CUDA IPC")
 
+    def release_shared(self, key: str | None = None) -> None:
+        pass  # (nothing is ever shared with it)
+
 
 def _first(names: list[str | None]) -> str | None:
     """The first rank's report of a non-finite tensor, if any."""

@@ -8,8 +8,10 @@ on the GPU or in host memory (with CUDA workers, host tensors reach the sender's
 go GPU to GPU over NCCL; gloo only where the sender or the workers have no GPU), or FSDP2 DTensor shards (each
 gathered whole as its bucket is sent; the trainer's other ranks must iterate the same parameters calling
 `full_tensor()` alongside). A trainer
-colocated with the workers on its own GPU (NCCL cannot join two processes of one GPU) shares its buckets by CUDA
-IPC handles instead, and the workers copy them device to device.
+colocated with the workers on its own GPU (NCCL cannot join two processes of one GPU) shares its tensors by CUDA
+IPC instead: the workers map them once, check and copy them device to device at each update, and keep them mapped
+until the sender closes (a tensor not already contiguous in the workers' dtype is converted into a buffer the sender
+keeps, at its size, between updates).
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from collections.abc import Iterable, Mapping
 import ray
 import torch
 
-from ..errors import UpdateFailed, get
-from ..weights.transfer import BUCKET_BYTES, GroupSpec, broadcast_tensors, open_group, serve_store, share_buckets
+from ..errors import NotShared, UpdateFailed, get
+from ..weights.transfer import (
+    BUCKET_BYTES,
+    GroupSpec,
+    broadcast_tensors,
+    open_group,
+    serve_store,
+    share_handles,
+    share_sources,
+)
 from .log_prob_worker import gpu_uuid
 
 
@@ -44,13 +54,13 @@ class WeightSender:
                         "a GPU that no worker uses, or update from a checkpoint path"
                     )
                 self.backend = "ipc"
-        # a stream's buckets; by IPC, one bucket for all tensors that need packing (they are all shared at once
-        # anyway, and each bucket is a handle the workers open)
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group = None
         self.closed = False
         self._planned: tuple[dict, object] | None = None  # (shapes, layout) of the last IPC update
+        self._packs: dict[str, torch.Tensor] = {}  # by IPC: conversions of the tensors, kept in place between updates
+        self._shared: tuple[str, list[int]] | None = None  # by IPC: (key, addresses) of the tensors the workers hold
         if self.backend != "ipc":
             self._open()
 
@@ -75,13 +85,7 @@ class WeightSender:
         tensors = named if isinstance(named, Mapping) else dict(named)
         shapes = {name: tuple(t.shape) for name, t in tensors.items()}
         if self.backend == "ipc":
-            if self._planned is None or self._planned[0] != shapes:  # (each worker checks the layout as it stages)
-                self._planned = (shapes, get(self.owner.plan.remote(shapes)))
-            layout = self._planned[1]
-            shared, alive = share_buckets(tensors, layout, self.device, self.bucket_bytes or layout.nbytes)
-            version = get(self.owner.update_shared.remote(shared, layout, self.allow_non_finite))
-            del alive  # the workers have committed or dropped them
-            return version
+            return self._send_shared(tensors, shapes)
         try:
             version, layout = self._begin(shapes)
         except UpdateFailed:  # a worker restarted since the group was opened: open a new one, once
@@ -96,6 +100,33 @@ class WeightSender:
             raise
         return get(self.owner.finish_stream.remote(version))
 
+    def _send_shared(self, tensors: dict, shapes: dict) -> int:
+        """By CUDA IPC: the tensors as they lie (or converted into buffers kept here), shared with the workers once and
+        read again by them at each update while they stay where they are; shared anew when they move, when the
+        update's names or shapes change, or when a worker lost them (restarted)."""
+        if self._planned is None or self._planned[0] != shapes:  # (each worker checks the layout as it stages)
+            self._planned = (shapes, get(self.owner.plan.remote(shapes)))
+            self._packs = {}
+        layout = self._planned[1]
+        sources = share_sources(tensors, layout, self.device, self._packs)
+        addresses = [src.data_ptr() for src in sources]
+        for again in (False, True):
+            shared = None
+            if again or self._shared is None or self._shared[1] != addresses:
+                self._shared, shared = (uuid.uuid4().hex, addresses), share_handles(sources, layout)
+            torch.cuda.synchronize(self.device)  # (the workers read what this process wrote)
+            try:
+                version = get(self.owner.update_shared.remote(self._shared[0], shared, shared and layout,
+                                                              self.allow_non_finite))
+            except NotShared:
+                if again:
+                    raise
+                continue
+            if shared is not None:
+                torch.cuda.ipc_collect()  # what the workers held of earlier shares goes back to this process
+            return version
+        raise AssertionError("unreachable")
+
     def _begin(self, shapes: dict) -> tuple:
         return get(self.owner.begin_stream.remote(self.spec.name, shapes, self.bucket_bytes or BUCKET_BYTES, False,
                                                   self.allow_non_finite))
@@ -103,6 +134,10 @@ class WeightSender:
     def close(self) -> None:
         self.closed = True
         self._drop_group()
+        if self._shared is not None:  # the workers unmap this process's tensors
+            key, self._shared, self._packs = self._shared[0], None, {}
+            get(self.owner.release_shared.remote(key))
+            torch.cuda.ipc_collect()
 
     def _drop_group(self) -> None:
         if self.group is not None:

@@ -106,8 +106,11 @@ class PoolWorker:
     def stage_stream(self, group: str, layout, version: int, bucket_bytes: int, check: bool = False) -> str | None:
         return self._weights.stage_stream(group, layout, version, bucket_bytes, check)
 
-    def stage_shared(self, shared: list, layout, version: int, check: bool = False) -> str | None:
-        return self._weights.stage_shared(shared, layout, version, check)
+    def stage_shared(self, key: str, shared: list | None, layout, version: int, check: bool = False) -> str | None:
+        return self._weights.stage_shared(key, shared, layout, version, check)
+
+    def release_shared(self, key: str | None = None) -> None:
+        self._weights.release_shared(key)
 
     def commit(self, version: int) -> int:
         return self._weights.commit(version)
@@ -377,7 +380,10 @@ class WorkerPool:
         try:
             owner = ray.get_actor(f"{name}:owner", namespace=NAMESPACE)
         except ValueError:
-            raise ValueError(f"no worker pool named {name!r} in namespace {NAMESPACE!r}") from None
+            pools = sorted(a["name"].removesuffix(":owner") for a in ray.util.list_named_actors(all_namespaces=True)
+                           if a["namespace"] == NAMESPACE and a["name"].endswith(":owner"))
+            raise ValueError(f"no worker pool named {name!r} in namespace {NAMESPACE!r} on this Ray cluster "
+                             f"(its pools: {', '.join(map(repr, pools)) or 'none'})") from None
         workers = ray.get(owner.state.remote())["workers"]
         info = ray.get(workers[0].info.remote())
         placements = {p.id: p for p in ray.get([w.placement_group.remote() for w in workers])}

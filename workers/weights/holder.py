@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import IncompatibleWeights, UpdateFailed, WeightsUnavailable, non_finite
+from ..errors import IncompatibleWeights, NotShared, UpdateFailed, WeightsUnavailable, non_finite
 from ..sharding import held_shard
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
@@ -42,6 +42,7 @@ class WeightsHolder:
         self._staged: tuple[int, StagedWeights, str | None] | None = None  # (version, weights, checkpoint path)
         self._groups: dict = {}  # group name -> (GroupSpec, process group), this worker a receiver
         self._stores: dict = {}  # group name -> the store this worker serves as a sender
+        self._shared: tuple[str, StagedWeights] | None = None  # (key, tensors) a sender on this GPU shared
         self._copy = LocalCopy(keep_dir, on_kept or (lambda version, path: None), keep_streams) if keep_dir else None
 
     @property
@@ -130,13 +131,27 @@ class WeightsHolder:
             raise UpdateFailed(f"the weight stream broke off ({type(e).__name__}: {str(e)[:200]})") from None
         return self._stage(version, staged, None, check)
 
-    def stage_shared(self, shared: list, layout: Layout, version: int, check: bool = False) -> str | None:
-        """Weights from a sender on this worker's own GPU, as CUDA IPC handles (see transfer.share_buckets), staged
-        where they are: no copy until the commit, no staging memory. The layout is checked again here (the sender
-        plans once for many updates; this worker may have been restarted since)."""
-        if self._plan({e.name: e.shape for e in layout.entries}, full=False)[1] != layout:
-            raise UpdateFailed("the sender's layout is not this worker's (another model?)")
-        return self._stage(version, StagedWeights.in_place(layout, receive_shared(shared)), None, check)
+    def stage_shared(self, key: str, shared: list | None, layout: Layout | None, version: int,
+                     check: bool = False) -> str | None:
+        """Weights from a sender on this worker's own GPU, staged where they are: no copy until the commit, no staging
+        memory. `shared` (see transfer.share_handles) maps the sender's tensors, under `key`, and is checked against
+        the model (the sender plans once for many updates; this worker may have been restarted since); they stay
+        mapped until the sender shares others or lets them go (release_shared), so its next updates send only the
+        key (shared=None), and this worker reads the same tensors again: NotShared if it does not hold them."""
+        if shared is not None:
+            if layout is None or self._plan({e.name: e.shape for e in layout.entries}, full=False)[1] != layout:
+                raise UpdateFailed("the sender's layout is not this worker's (another model?)")
+            self._shared = (key, StagedWeights.in_place(layout, receive_shared(shared)))  # (the last ones unmapped)
+        elif self._shared is None or self._shared[0] != key:
+            raise NotShared("a worker does not hold the sender's shared tensors (restarted since they were shared)")
+        return self._stage(version, self._shared[1], None, check)
+
+    def release_shared(self, key: str | None = None) -> None:
+        """Unmaps the tensors a sender shared (under `key`; None: any)."""
+        if self._shared is not None and key in (None, self._shared[0]):
+            self._shared = None
+            if self._staged is not None and not self._staged[1].owns_memory:
+                self._staged = None
 
     def commit(self, version: int) -> int:
         if self._staged is None or self._staged[0] != version:

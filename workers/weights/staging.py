@@ -123,8 +123,9 @@ def part_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:
 
 class StagedWeights:
     """A staging buffer for one update: on the model's device when it fits beside `HEADROOM_BYTES`, else in host
-    memory (pinned when the model is on CUDA). Or (`in_place`) the sender's own buffers, shared by CUDA IPC, read
-    where they are: nothing is allocated or copied until the commit."""
+    memory (pinned when the model is on CUDA). Or (`in_place`) the sender's own tensors, shared by CUDA IPC, read
+    where they are: nothing is allocated or copied until the commit, and the same staged weights serve the sender's
+    next updates while its tensors stay where they are."""
 
     def __init__(self, layout: Layout, device: torch.device) -> None:
         self.layout = layout
@@ -137,6 +138,8 @@ class StagedWeights:
         self.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         self.owns_memory = True  # (in_place: the sender's)
         self._segments = [(0, self.buffer)]  # (offset into the layout, its bytes), by offset
+        self._pieces: dict | None = None  # what first_non_finite reduces, by dtype: (names, pieces)
+        self._copies: tuple | None = None  # (model, its parameters, the staged tensors) of commit
 
     @classmethod
     def in_place(cls, layout: Layout, segments: list[tuple[int, Tensor]]) -> StagedWeights:
@@ -146,6 +149,7 @@ class StagedWeights:
         staged.layout, staged._segments = layout, sorted(segments, key=lambda s: s[0])
         staged.owns_memory = False
         staged.device = staged._segments[0][1].device
+        staged._pieces = staged._copies = None
         return staged
 
     @staticmethod
@@ -166,25 +170,32 @@ class StagedWeights:
     def first_non_finite(self) -> str | None:
         """The name of the first staged tensor holding a NaN or an infinity, else None: the largest magnitude of each
         piece of at most FINITE_CHUNK elements, by one multi-tensor reduction per dtype (a NaN or an infinity makes
-        it non-finite), read back with one synchronisation."""
-        pieces: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-        for entry in self.layout.entries:
-            if entry.dtype.is_floating_point and entry.nbytes:  # (an empty tensor has no largest magnitude)
-                for piece in self.tensor(entry).view(-1).split(FINITE_CHUNK):
-                    pieces.setdefault(entry.dtype, []).append((entry.name, piece))
-        if not pieces:
+        it non-finite), read back with one synchronisation. The pieces are cut once (staged weights that stay in
+        place are checked again at each update)."""
+        if self._pieces is None:
+            self._pieces = {}
+            for entry in self.layout.entries:
+                if entry.dtype.is_floating_point and entry.nbytes:  # (an empty tensor has no largest magnitude)
+                    for piece in self.tensor(entry).view(-1).split(FINITE_CHUNK):
+                        self._pieces.setdefault(entry.dtype, ([], []))
+                        self._pieces[entry.dtype][0].append(entry.name)
+                        self._pieces[entry.dtype][1].append(piece)
+        if not self._pieces:
             return None
-        names = [name for group in pieces.values() for name, _ in group]
-        finite = torch.cat([torch.stack(torch._foreach_norm([t for _, t in group], math.inf)).isfinite()
-                            for group in pieces.values()]).cpu()
+        names = [name for group, _ in self._pieces.values() for name in group]
+        finite = torch.cat([torch.stack(torch._foreach_norm(pieces, math.inf)).isfinite()
+                            for _, pieces in self._pieces.values()]).cpu()
         bad = {name for name, ok in zip(names, finite.tolist(), strict=True) if not ok}
         return next((entry.name for entry in self.layout.entries if entry.name in bad), None)
 
     @torch.no_grad()
     def commit(self, model: nn.Module) -> None:
         """Copies every staged tensor into the model's parameter of that name."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        torch._foreach_copy_([params[e.name].data for e in self.layout.entries],
-                             [self.tensor(e) for e in self.layout.entries], non_blocking=True)
+        if self._copies is None or self._copies[0] is not model:  # (built once for staged weights kept in place)
+            params = dict(model.named_parameters(remove_duplicate=False))
+            self._copies = (model, [params[e.name].data for e in self.layout.entries],
+                            [self.tensor(e) for e in self.layout.entries])
+        _, targets, sources = self._copies
+        torch._foreach_copy_(targets, sources, non_blocking=True)
         if self.device.type == "cuda" or next(model.parameters()).is_cuda:
             torch.cuda.synchronize()

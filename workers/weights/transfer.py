@@ -220,32 +220,51 @@ def receive_parts(group: dist.ProcessGroup, layout: Layout, staged: StagedWeight
         torch.cuda.synchronize()
 
 
-def share_buckets(tensors: dict[str, Tensor], layout: Layout, device: torch.device,
-                  bucket_bytes: int = BUCKET_BYTES) -> tuple[list[tuple[int, int, tuple]], list[Tensor]]:
-    """The sender's side when its workers share its GPU (no NCCL between two processes of one GPU): each bucket as
-    a CUDA IPC handle, (lo, hi, handle) into the staging layout, and the tensors shared, which the caller keeps alive
-    and unchanged until the workers have committed or dropped the update (they read them in place). A bucket holding
-    one tensor already in the workers' dtype is shared as it is; the others are packed into new buffers."""
+def share_sources(tensors: dict[str, Tensor], layout: Layout, device: torch.device,
+                  packs: dict[str, Tensor]) -> list[Tensor]:
+    """The sender's side when its workers share its GPU (no NCCL between two processes of one GPU): for each entry
+    of `layout`, a tensor on `device` holding it in the workers' dtype, to be shared by CUDA IPC. The caller's own
+    tensor where it already is one (contiguous, on `device`, in that dtype: a bf16 trainer's parameters), read where
+    it lies; else its conversion into `packs[name]`, a buffer the caller keeps from one update to the next so that
+    its address, and the workers' mapping of it, stay."""
+    sources, pending = [], []
+    for entry in layout.entries:
+        src = tensors[entry.name]
+        plain = not hasattr(src, "full_tensor")  # (an FSDP2 shard is gathered into its buffer)
+        if plain and src.dtype == entry.dtype and src.device == device and src.is_contiguous():
+            sources.append(src.detach())
+            continue
+        pack = packs.get(entry.name)
+        if pack is None:
+            pack = packs[entry.name] = torch.empty(entry.shape, dtype=entry.dtype, device=device)
+        src = _as_full(src).detach()
+        pending.append((pack, src))
+        sources.append(pack)
+    local = [(dst, src) for dst, src in pending if src.device.type != "cpu"]
+    if local:  # one multi-tensor copy, not a kernel per tensor
+        torch._foreach_copy_([dst for dst, _ in local], [src for _, src in local], non_blocking=True)
+    if len(local) < len(pending):
+        copy_from_host([(dst, src) for dst, src in pending if src.device.type == "cpu"])
+    return sources
+
+
+def share_handles(sources: list[Tensor], layout: Layout) -> list[tuple[int, tuple]]:
+    """Each source's bytes as (its offset into the layout, a CUDA IPC handle); every call makes new handles (each
+    carries a reference the receiver gives back)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    shared, keep = [], []
-    for bucket in buckets(layout, bucket_bytes):
-        lo, hi = _span(bucket)
-        data, _ = _bucket_bytes(bucket, tensors, device, lambda n: torch.empty(n, dtype=torch.uint8, device=device))
-        shared.append((lo, hi, reduce_tensor(data)[1]))
-        keep.append(data)
-    torch.cuda.synchronize(device)
-    return shared, keep
+    return [(entry.offset, reduce_tensor(src.view(-1).view(torch.uint8))[1])
+            for entry, src in zip(layout.entries, sources, strict=True)]
 
 
-def receive_shared(shared: list[tuple[int, int, tuple]]) -> list[tuple[int, Tensor]]:
-    """A receiver's side of share_buckets: each shared bucket as a tensor on this process's device (the same GPU),
-    read where it is (StagedWeights.in_place), as (its offset into the layout, its bytes)."""
+def receive_shared(shared: list[tuple[int, tuple]]) -> list[tuple[int, Tensor]]:
+    """A receiver's side of share_handles: each shared tensor's bytes on this process's device (the same GPU), read
+    where they are (StagedWeights.in_place), as (offset into the layout, bytes). They stay mapped while referenced."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     device = torch.cuda.current_device()
     segments = []
-    for lo, _, handle in shared:
+    for lo, handle in shared:
         handle = list(handle)
         handle[6] = device  # the storage's device, as this process numbers it
         segments.append((lo, rebuild_cuda_tensor(*handle)))

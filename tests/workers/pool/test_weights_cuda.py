@@ -64,7 +64,7 @@ def test_a_trainer_streams_over_nccl(cluster):
         pool.shutdown()
 
 
-def test_a_trainer_on_the_workers_gpu_shares_its_buckets_by_ipc(cluster):
+def test_a_trainer_on_the_workers_gpu_shares_its_tensors_by_ipc(cluster):
     pool = WorkerPool.create("tiny", 1, dtype=torch.bfloat16, local_copy=False)  # on GPU 0, as Ray numbers it
     try:
         model = perturbed(3, "cuda:0")  # this process on the same GPU: NCCL cannot join the two
@@ -72,7 +72,7 @@ def test_a_trainer_on_the_workers_gpu_shares_its_buckets_by_ipc(cluster):
             assert sender.backend == "ipc"
             assert sender.send(model.named_parameters()) == 1
             sent = {n: p.detach().to(torch.bfloat16).cpu() for n, p in model.named_parameters()}
-            with torch.no_grad():  # the worker read the buckets in place, and copied them at the commit
+            with torch.no_grad():  # the worker reads the tensors in place, and copied them at the commit
                 dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
             with pytest.raises(NonFiniteWeights, match="layers.1.mlp.up_proj"):
                 sender.send(model.named_parameters())
@@ -99,5 +99,34 @@ def test_a_host_state_dict_goes_through_this_processs_gpu(cluster, dtype):
         got = weights_of(pool.workers[0])
         for name, p in state.items():
             assert torch.equal(got[name], p.to(torch.bfloat16)), name
+    finally:
+        pool.shutdown()
+
+
+def test_a_bf16_trainers_parameters_are_mapped_once_and_read_again_at_each_update(cluster):
+    """Tensors already in the workers' dtype are shared where they lie, once: later sends name them by key and the
+    worker reads them again; a worker that lost them (restarted; here it lets them go) gets them shared anew;
+    closing lets them go."""
+    pool = WorkerPool.create("tiny", 1, dtype=torch.bfloat16, local_copy=False)
+    worker = pool.workers[0]
+    held = lambda: ray.get(worker.__ray_call__.remote(lambda w: w._weights._shared and w._weights._shared[0]))
+    try:
+        params = dict(perturbed(5, "cuda:0").to(torch.bfloat16).named_parameters())
+        keys = []
+        with pool.weight_sender(device="cuda:0") as sender:
+            for step in range(1, 5):
+                with torch.no_grad():  # what an optimizer step does: the same storages, new values
+                    params["model.layers.0.self_attn.q_proj.weight"].add_(0.25)
+                    params["lm_head.weight"].mul_(1.5)
+                assert sender.send(params) == step
+                got = weights_of(worker)
+                for name, p in params.items():
+                    assert torch.equal(got[name], p.detach().cpu()), (step, name)
+                keys.append(held())
+                if step == 2:
+                    ray.get(worker.release_shared.remote())
+            assert keys[0] == keys[1] and keys[2] != keys[1] and keys[3] == keys[2], keys
+        assert held() is None
+        assert {r.weights_version for r in pool.compute_log_probs([[1, 2, 3, 4]])} == {4}
     finally:
         pool.shutdown()

@@ -243,3 +243,41 @@ def test_integer_tensors_are_never_non_finite(monkeypatch):
     staged = StagedWeights(with_float, torch.device("cpu"))
     staged.buffer.fill_(0xFF)  # every float32 of w is a NaN
     assert staged.first_non_finite() == "w"
+
+
+def test_weights_staged_in_place_are_read_anew_at_each_check_and_commit():
+    """A colocated sender's tensors stay where they are between updates and the same StagedWeights serve each
+    one: every check and every commit reads their current values (the pieces and copy lists it keeps are views)."""
+    model = load_model("tiny", backend="torch")
+    params = dict(model.named_parameters())
+    layout = match_model(model, shapes_of(model), full=True, what="the update")
+    sender = {e.name: params[e.name].detach().clone() for e in layout.entries}
+    staged = StagedWeights.in_place(layout, [(e.offset, bits(sender[e.name])) for e in layout.entries])
+    name = "model.layers.1.mlp.down_proj.weight"
+    for step in range(3):
+        for t in sender.values():
+            t.add_(0.5)
+        assert staged.first_non_finite() is None
+        staged.commit(model)
+        for n, t in sender.items():
+            assert torch.equal(params[n].detach(), t), (step, n)
+    sender[name][2, 3] = float("nan")
+    assert staged.first_non_finite() == name
+    sender[name][2, 3] = 0.0
+    assert staged.first_non_finite() is None
+
+
+def test_a_worker_that_lost_a_senders_shared_tensors_says_so():
+    """An update naming tensors shared before (shared=None) reaches a worker that does not hold them (restarted, or
+    let go): NotShared, which makes the sender share them again; nothing is staged."""
+    from ppo_logprobs.workers.errors import NotShared, UpdateFailed
+    from ppo_logprobs.workers.weights.holder import WeightsHolder
+
+    holder = WeightsHolder(load_model("tiny", backend="torch"), 0)
+    with pytest.raises(NotShared, match="does not hold the sender's shared tensors"):
+        holder.stage_shared("key", None, None, 1)
+    assert issubclass(NotShared, UpdateFailed)  # (a transient failure: nothing changed)
+    holder.release_shared("key")  # (nothing held: nothing to do)
+    with pytest.raises(UpdateFailed, match="no staged weights of version 1"):
+        holder.commit(1)
+    assert holder.version == 0
