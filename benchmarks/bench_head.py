@@ -145,14 +145,14 @@ def run_sweep(shapes):
         hidden, weight, labels = make_inputs(n, h, v)
         inv_t = torch.ones(n, device="cuda")
         floor = bench(lambda: hidden @ weight.T)
-        ref_lp, ref_ent, lse = triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100,
-                                                        compute_entropy=True, config=base)
+        ref_lp, ref_ent, lse, _ = triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100,
+                                                           compute_entropy=True, config=base)
         g = torch.randn(n, device="cuda")
         for name, cfg in variants.items():
             try:
                 fwd = lambda: triton_log_probs_forward(hidden, weight, labels, inv_t, ignore_index=-100,
                                                        compute_entropy=True, config=cfg)
-                lp, ent, _ = fwd()
+                lp, ent, _, _ = fwd()
                 ms_f = bench(fwd)
                 bwd = lambda: triton_log_probs_backward(hidden, weight, labels, inv_t, lse, ref_ent, g, g,
                                                         ignore_index=-100, config=cfg)

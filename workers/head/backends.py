@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .torch_log_probs import torch_log_probs_backward, torch_log_probs_forward
+from .torch_log_probs import Extras, torch_log_probs_backward, torch_log_probs_forward
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -21,6 +21,7 @@ class HeadOptions:
     compute_entropy: bool = True
     chunk_size: int = 512  # tokens per chunk of the torch backend
     softcap: float | None = None  # final-logit softcapping: logits -> softcap * tanh(logits / softcap)
+    top_k: int = 0  # the k most likely tokens of each position, with the tail's mass (Extras)
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "triton"]:
@@ -42,9 +43,11 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["torch", "tri
 
 
 def backend_forward(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions, *,
-                    ignore_index: int) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The chosen backend's forward on flattened inputs: (log_probs, entropy or None, lse)."""
-    kwargs = dict(ignore_index=ignore_index, compute_entropy=opts.compute_entropy, softcap=opts.softcap)
+                    ignore_index: int, candidates: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor | None, Tensor, Extras]:
+    """The chosen backend's forward on flattened inputs: (log_probs, entropy or None, lse, Extras)."""
+    kwargs = dict(ignore_index=ignore_index, compute_entropy=opts.compute_entropy, softcap=opts.softcap,
+                  top_k=opts.top_k, candidates=candidates)
     if opts.backend == "triton":
         from .triton_log_probs_forward import triton_log_probs_forward
 

@@ -7,14 +7,17 @@ backends.py, the vocabulary split across ranks in vocab_parallel.py (both below 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .backends import Backend, HeadOptions, backend_backward, backend_forward, resolve_backend
+from .torch_log_probs import Extras
 from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_TOP_K = 256  # the widest top-k the Triton kernels keep (a tile holds a top list)
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
@@ -85,25 +88,66 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor, check_valu
     return torch.full((labels.numel(),), 1.0 / value, dtype=torch.float32, device=labels.device)
 
 
+class HeadOutput(NamedTuple):
+    """fused_log_probs' answer when asked for more than log-probs and entropies (see there); per position, the
+    extra fields are log-probabilities under the same logits, not differentiable."""
+
+    log_probs: Tensor
+    entropy: Tensor | None
+    top_log_probs: Tensor | None = None  # [..., k], most likely first
+    top_ids: Tensor | None = None  # [..., k], int64
+    tail_log_prob: Tensor | None = None  # [...], the log of the probability of every token outside the top k
+    candidate_log_probs: Tensor | None = None  # [..., C]
+
+
+def _extras(extras: Extras) -> tuple:
+    return extras.top_log_probs, extras.top_ids, extras.tail_log_prob, extras.candidate_log_probs
+
+
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions):
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions,
+                candidates: Tensor | None):
         ctx.set_materialize_grads(False)
-        log_probs, entropy, lse = backend_forward(hidden, weight, labels, inv_temp, opts,
-                                                  ignore_index=opts.ignore_index)
+        log_probs, entropy, lse, extras = backend_forward(hidden, weight, labels, inv_temp, opts,
+                                                          ignore_index=opts.ignore_index, candidates=candidates)
         ctx.save_for_backward(hidden, weight, labels, inv_temp, lse, entropy)
         ctx.opts = opts
-        return log_probs, entropy
+        more = _extras(extras)
+        ctx.mark_non_differentiable(*(t for t in more if t is not None))
+        return log_probs, entropy, *more
 
     @staticmethod
-    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None, *_):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         d_hidden, d_weight = backend_backward(ctx.saved_tensors, grad_log_probs, grad_entropy, ctx.opts,
                                               ignore_index=ctx.opts.ignore_index, need_hidden=need_hidden,
                                               need_weight=need_weight)
-        return d_hidden, d_weight, None, None, None
+        return d_hidden, d_weight, None, None, None, None
+
+
+def _candidates(token_ids: Tensor, labels: Tensor, vocab: int, check_values: bool) -> Tensor:
+    """token_ids ([C] for every position, or labels' shape + [C]) as [N, C] int64, checked."""
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool or token_ids.is_complex():
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+    if token_ids.dim() == 1:
+        flat = token_ids.to(labels.device, torch.int64)[None, :].expand(labels.numel(), -1)
+    elif token_ids.shape[:-1] == labels.shape:
+        flat = token_ids.to(labels.device, torch.int64).reshape(labels.numel(), token_ids.shape[-1])
+    else:
+        raise ValueError(f"token_ids must be [C] or [{', '.join(map(str, labels.shape))}, C] (labels' shape and the "
+                         f"candidates), got shape {tuple(token_ids.shape)}")
+    if token_ids.shape[-1] == 0:
+        raise ValueError("token_ids must hold at least one candidate id")
+    if check_values:
+        bad = (token_ids < 0) | (token_ids >= vocab)
+        if bool(bad.any()):
+            first = int(bad.flatten().nonzero()[0])
+            raise ValueError(f"token_ids{_position(first, token_ids.shape)} = {int(token_ids.flatten()[first])} is "
+                             f"outside the vocabulary [0, {vocab})")
+    return flat.contiguous()
 
 
 def fused_log_probs(
@@ -119,7 +163,9 @@ def fused_log_probs(
     softcap: float | None = None,
     process_group=None,
     check_values: bool = True,
-) -> tuple[Tensor, Tensor | None]:
+    top_k: int = 0,
+    token_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None] | HeadOutput:
     """log p(labels | hidden) and the entropy of the same distribution, per token, from the LM head weight.
 
     hidden: [..., H]; weight: [V, H]; labels: [...] (integers in [0, V) or `ignore_index`);
@@ -133,6 +179,10 @@ def fused_log_probs(
     every rank, and so are the results. d_hidden comes back whole (summed over the group), d_weight for these rows.
     check_values=False: the labels and temperatures were checked where they came in (a worker's request), so only
     shapes and dtypes are checked here, with no device-to-host synchronisation.
+    top_k (0 < k <= V; at most MAX_TOP_K with Triton) and token_ids (candidate ids: [C] for every position, or
+    labels' shape + [C]) ask for more from the same pass, and the answer is then a HeadOutput: the k most likely
+    tokens' log-probs and ids per position (ties to the lower id) with the log-probability of all the others (the
+    tail), and the log-probs of the candidates. These are 0 (ids -1) at ignored positions and carry no gradient.
     """
     opts = HeadOptions(
         backend=resolve_backend(backend, hidden.device),
@@ -140,6 +190,7 @@ def fused_log_probs(
         compute_entropy=compute_entropy,
         chunk_size=chunk_size,
         softcap=None if softcap is None else float(softcap),
+        top_k=top_k,
     )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
@@ -151,6 +202,13 @@ def fused_log_probs(
     else:
         vocab = None
     _check_inputs(hidden, weight, labels, ignore_index, opts.backend, vocab, check_values)
+    vocab = vocab or weight.shape[0]
+    most = vocab if opts.backend == "torch" else min(vocab, MAX_TOP_K)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= most:
+        raise ValueError(f"top_k must be an integer in [0, {most}] ({'V' if most == vocab else 'MAX_TOP_K'} with "
+                         f"backend {opts.backend!r}), got {top_k!r}")
+    candidates = None if token_ids is None else _candidates(token_ids, labels, vocab, check_values)
+    more = bool(top_k) or candidates is not None
     inv_temp = _inverse_temperature(temperature, labels, check_values)
     shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -160,13 +218,28 @@ def fused_log_probs(
     flat_labels = labels.reshape(-1).to(torch.int64)
     if flat_labels.numel() == 0:  # no kernel for no tokens; the empty result still carries hidden's graph
         empty = hidden.sum(-1, dtype=torch.float32)
-        return empty, (empty.clone() if compute_entropy else None)
+        out = empty, (empty.clone() if compute_entropy else None)
+        if not more:
+            return out
+        new = dict(dtype=torch.float32, device=hidden.device)
+        return HeadOutput(*out, *(
+            (torch.zeros(*shape, top_k, **new), torch.zeros(*shape, top_k, dtype=torch.int64, device=hidden.device),
+             torch.zeros(shape, **new)) if top_k else (None, None, None)),
+            torch.zeros(*shape, candidates.shape[1], **new) if candidates is not None else None)
     if process_group is not None:
-        log_probs, entropy = vocab_parallel_log_probs(flat_hidden, weight, flat_labels, inv_temp, opts,
-                                                      process_group, start)
+        log_probs, entropy, *extras = vocab_parallel_log_probs(flat_hidden, weight, flat_labels, inv_temp, opts,
+                                                               process_group, start, candidates)
     else:
-        log_probs, entropy = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts)
-    return log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
+        log_probs, entropy, *extras = _FusedLogProbs.apply(flat_hidden, weight, flat_labels, inv_temp, opts,
+                                                           candidates)
+    log_probs, entropy = log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
+    if not more:
+        return log_probs, entropy
+    top_lp, top_ids, tail, cands = extras
+    return HeadOutput(log_probs, entropy,
+                      *((top_lp.view(*shape, top_k), top_ids.view(*shape, top_k), tail.view(shape)) if top_k
+                        else (None, None, None)),
+                      cands.view(*shape, cands.shape[-1]) if cands is not None else None)
 
 
 class FusedLinearForPPO(nn.Module):

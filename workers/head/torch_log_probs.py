@@ -3,13 +3,51 @@
 Both functions take flattened inputs: hidden [N, H], weight [V, H], labels [N] (int64), inv_temp [N] (fp32).
 Logits are z = cap(hidden @ weight.T) * inv_temp, where cap(x) = softcap * tanh(x / softcap) when a final-logit
 softcap is given (Gemma 2 and 3) and x otherwise. For each token: lse = logsumexp(z),
-log_prob = z[label] - lse, entropy = lse - sum(softmax(z) * z).
+log_prob = z[label] - lse, entropy = lse - sum(softmax(z) * z). Asked for (`Extras`): the k largest z and their ids
+(ties to the lower id), the logsumexp of the other z (the tail), and z at given candidate ids.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass
+class Extras:
+    """What a forward gives beside log-probs and entropies, per token, log-probabilities under the same logits (fp32;
+    0, and ids -1, at ignored tokens): the top_k most likely tokens' `top_log_probs` [N, k], in order, ties to the
+    lower id, and their ids `top_ids` [N, k] (int64); `tail_log_prob` [N], the log of the probability of all the
+    other tokens (-inf when k is V); `candidate_log_probs` [N, C], those of the candidate ids (0 where a candidate
+    is negative: not this device's rows, under vocab parallelism)."""
+
+    top_log_probs: Tensor | None = None
+    top_ids: Tensor | None = None
+    tail_log_prob: Tensor | None = None
+    candidate_log_probs: Tensor | None = None
+
+
+def order_keys(z: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys that sort fp32 logits `z` by value, then by the lower id (`ids`, non-negative, < 2**32): a
+    larger key is a larger logit, or the same logit at a lower id. -0.0 sorts below 0.0."""
+    bits = z.float().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered << 32) | (0xFFFFFFFF - ids)
+
+
+def _top_k(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(the k largest logits per row in order, their ids, the logsumexp of the others) of [C, V] logits."""
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    if logits.dtype == torch.float32:  # unique keys: an exact selection whatever torch.topk does with ties
+        keys, _ = torch.topk(order_keys(logits, ids), k, dim=-1)
+        top_ids = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    else:  # (float64, the reference precision): a stable sort keeps the lower id first among equals
+        top_ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    top_z = logits.gather(-1, top_ids)
+    rest = logits.scatter(-1, top_ids, float("-inf"))
+    return top_z, top_ids, torch.logsumexp(rest, dim=-1)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,13 +99,24 @@ def torch_log_probs_forward(
     compute_entropy: bool,
     chunk_size: int,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
+    top_k: int = 0,
+    candidates: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Extras]:
+    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32, ignored tokens giving 0, and the Extras asked
+    for: `top_k` > 0, `candidates` [N, C] (int64 ids; negative: none here)."""
     n = hidden.shape[0]
     weight_c = weight if weight.is_cuda else weight.to(_compute_dtype(weight.dtype))  # [V, H], widened once
-    log_probs = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    out_dtype = torch.float32
+    log_probs = torch.zeros(n, dtype=out_dtype, device=hidden.device)
     entropy = torch.zeros_like(log_probs) if compute_entropy else None
     lse = torch.zeros_like(log_probs)
+    extras = Extras()
+    if top_k:
+        extras.top_log_probs = torch.zeros(n, top_k, dtype=out_dtype, device=hidden.device)
+        extras.top_ids = torch.full((n, top_k), -1, dtype=torch.int64, device=hidden.device)
+        extras.tail_log_prob = torch.zeros_like(log_probs)
+    if candidates is not None:
+        extras.candidate_log_probs = torch.zeros(candidates.shape, dtype=out_dtype, device=hidden.device)
     for start in range(0, n, chunk_size):
         rows = min(chunk_size, n - start)
         logits, _ = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size, softcap)  # [C, V]
@@ -75,13 +124,24 @@ def torch_log_probs_forward(
         ignored = lab == ignore_index
         chunk_lse = torch.logsumexp(logits, dim=-1)
         picked = logits.gather(-1, torch.where(ignored | (lab < 0), 0, lab)[:, None])[:, 0]  # (< 0: not here)
-        log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse)[:rows].float()
-        lse[start : start + rows] = chunk_lse[:rows].float()
+        log_probs[start : start + rows] = torch.where(ignored, 0.0, picked - chunk_lse)[:rows].to(out_dtype)
+        lse[start : start + rows] = chunk_lse[:rows].to(out_dtype)
         if entropy is not None:
             probs = torch.softmax(logits, dim=-1)
             ent = chunk_lse - (probs * logits).sum(-1)
-            entropy[start : start + rows] = torch.where(ignored, 0.0, ent)[:rows].float()
-    return log_probs, entropy, lse
+            entropy[start : start + rows] = torch.where(ignored, 0.0, ent)[:rows].to(out_dtype)
+        kept = ~ignored[:rows, None]
+        if top_k:
+            top_z, top_ids, tail = _top_k(logits[:rows], top_k)
+            sl, row_lse = slice(start, start + rows), chunk_lse[:rows, None]
+            extras.top_log_probs[sl] = torch.where(kept, top_z - row_lse, 0.0).to(out_dtype)
+            extras.top_ids[sl] = torch.where(kept, top_ids, -1)
+            extras.tail_log_prob[sl] = torch.where(kept[:, 0], tail - row_lse[:, 0], 0.0).to(out_dtype)
+        if candidates is not None:
+            ids = candidates[start : start + rows]
+            picked = logits[:rows].gather(-1, ids.clamp(min=0)) - chunk_lse[:rows, None]
+            extras.candidate_log_probs[start : start + rows] = torch.where(kept & (ids >= 0), picked, 0.0).to(out_dtype)
+    return log_probs, entropy, lse, extras
 
 
 def torch_log_probs_backward(

@@ -11,13 +11,15 @@ The number of splits depends on V only, so a token's result never depends on how
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .torch_log_probs import Extras
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
@@ -75,6 +77,28 @@ def _grouped_tile(pid, num_row_blocks, num_cols, GROUP_R: tl.constexpr):
 @triton.jit
 def _tanh(x):
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)  # exact limits: exp2 -> inf gives 1, -> 0 gives -1
+
+
+@triton.jit
+def _order_keys(z, ids):
+    """int64 keys ordering fp32 logits by value, then by the lower id (as torch_log_probs.order_keys)."""
+    bits = z.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return (ordered << 32) | (0xFFFFFFFF - ids.to(tl.int64))
+
+
+@triton.jit
+def _key_logit(keys):
+    """The fp32 logit a key was made from."""
+    ordered = (keys >> 32).to(tl.int32)
+    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _merge_top(best, more, TOP_K: tl.constexpr):
+    """The TOP_K largest keys of two [rows, TOP_K] sets, in descending order."""
+    both = tl.reshape(tl.join(best, more), [best.shape[0], 2 * TOP_K])
+    return tl.topk(both, TOP_K)
 
 
 @triton.jit
@@ -142,9 +166,10 @@ def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[obje
 def _triton_log_probs_forward_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
+    part_keys_ptr, part_tail_ptr, candidates_ptr, candidate_logit_ptr, C,
     N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits, softcap,
     SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_R)
@@ -158,6 +183,10 @@ def _triton_log_probs_forward_kernel(
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     w = tl.zeros([BLOCK_N], dtype=tl.float32)
     z_label = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if TOP_K > 0:  # this split's TOP_K largest logits as keys, and sum exp(z - m) of all its others
+        best = _order_keys(tl.full([BLOCK_N, TOP_K], _PAD_LOGIT, tl.float32),
+                           tl.full([BLOCK_N, TOP_K], 0xFFFFFFFF, tl.int64))
+        tail = tl.zeros([BLOCK_N], dtype=tl.float32)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
     for t in range(tile_lo, tile_hi):
@@ -175,10 +204,28 @@ def _triton_log_probs_forward_kernel(
             ## NB: w is kept relative to the running max, so it stays small when logits are in the thousands.
             w = alpha * (w + (m - m_new) * s) + tl.sum(p * d, axis=1)
         s = alpha * s + tl.sum(p, axis=1)
+        if TOP_K > 0:
+            ## NB: the tail sums exactly the logits that leave (or never enter) the top list, so its mass is never
+            # a difference of two sums (1 - top mass cancels when the top tokens hold nearly all of it).
+            keys = _order_keys(z, cols[None, :] + tl.zeros([BLOCK_N, BLOCK_V], tl.int32))
+            more = keys if BLOCK_V == TOP_K else tl.topk(keys, TOP_K)
+            merged = _merge_top(best, more, TOP_K)
+            floor = tl.min(merged, axis=1)[:, None]  # (keys are unique: below it is out)
+            left = tl.exp2((_key_logit(best) - m_new[:, None]) * LOG2E)
+            tail = alpha * tail + tl.sum(tl.where(keys < floor, p, 0.0), axis=1) \
+                + tl.sum(tl.where(best < floor, left, 0.0), axis=1)
+            best = merged
         m = m_new
         here = (labels >= t * BLOCK_V) & (labels < t * BLOCK_V + BLOCK_V)
         if tl.max(here.to(tl.int32), axis=0) > 0:
             z_label += tl.sum(tl.where(cols[None, :] == labels[:, None], z, 0.0), axis=1)
+        if CANDIDATES:  # each candidate's logit, stored by the one tile that holds it
+            for c in range(C):
+                ids = tl.load(candidates_ptr + rows_in.to(tl.int64) * C + c)
+                found = (ids >= t * BLOCK_V) & (ids < t * BLOCK_V + BLOCK_V)
+                if tl.max(found.to(tl.int32), axis=0) > 0:
+                    z_c = tl.sum(tl.where(cols[None, :] == ids[:, None], z, 0.0), axis=1)
+                    tl.store(candidate_logit_ptr + rows.to(tl.int64) * C + c, z_c, mask=row_ok & found)
 
     part = split.to(tl.int64) * N + rows
     tl.store(part_max_ptr + part, m, mask=row_ok)
@@ -187,13 +234,19 @@ def _triton_log_probs_forward_kernel(
         tl.store(part_wsum_ptr + part, w, mask=row_ok)
     mine = row_ok & (labels >= tile_lo * BLOCK_V) & (labels < tile_hi * BLOCK_V)
     tl.store(label_logit_ptr + rows, z_label, mask=mine)
+    if TOP_K > 0:
+        tl.store(part_tail_ptr + part, tail, mask=row_ok)
+        offs_k = tl.arange(0, TOP_K)
+        tl.store(part_keys_ptr + part[:, None] * TOP_K + offs_k[None, :], best, mask=row_ok[:, None])
 
 
 @triton.jit
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
-    COMPUTE_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    part_keys_ptr, part_tail_ptr, top_log_probs_ptr, top_ids_ptr, tail_ptr, k,
+    candidates_ptr, candidate_logit_ptr, C,
+    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -219,6 +272,41 @@ def _triton_combine_splits_kernel(
     tl.store(lse_ptr + rows, lse, mask=ok)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
+    if TOP_K > 0:  # the splits' lists merged in split order: the k largest, and all the rest into the tail
+        offs_k = tl.arange(0, TOP_K)
+        sentinel = _order_keys(tl.full([BLOCK, TOP_K], _PAD_LOGIT, tl.float32),
+                               tl.full([BLOCK, TOP_K], 0xFFFFFFFF, tl.int64))
+        best = sentinel
+        for i in range(num_splits):
+            keys = tl.load(part_keys_ptr + (i * N + rows)[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
+                           mask=ok[:, None], other=sentinel)
+            best = _merge_top(best, keys, TOP_K)
+        floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)[:, None]  # the k-th largest
+        tail = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(num_splits):
+            m_i = tl.load(part_max_ptr + i * N + rows, mask=ok, other=_PAD_LOGIT)
+            keys = tl.load(part_keys_ptr + (i * N + rows)[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
+                           mask=ok[:, None], other=sentinel)
+            rest = tl.where(keys < floor, tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E), 0.0)
+            tail += tl.exp2((m_i - m) * LOG2E) * tl.load(part_tail_ptr + i * N + rows, mask=ok, other=0.0) \
+                + tl.sum(rest, axis=1)
+        top = ok[:, None] & (offs_k[None, :] < k)
+        at = rows[:, None].to(tl.int64) * k + offs_k[None, :]
+        kept = ~ignored[:, None]
+        tl.store(top_log_probs_ptr + at, tl.where(kept, _key_logit(best) - lse[:, None], 0.0), mask=top)
+        tl.store(top_ids_ptr + at, tl.where(kept, 0xFFFFFFFF - (best & 0xFFFFFFFF), -1), mask=top)
+        tl.store(tail_ptr + rows, tl.where(ignored, 0.0, tl.log(tail) - log_s), mask=ok)
+    if CANDIDATES:
+        for c in range(C):
+            ids = tl.load(candidates_ptr + rows.to(tl.int64) * C + c, mask=ok, other=-1)
+            z_c = tl.load(candidate_logit_ptr + rows.to(tl.int64) * C + c, mask=ok, other=0.0)
+            tl.store(candidate_logit_ptr + rows.to(tl.int64) * C + c,
+                     tl.where(ignored | (ids < 0), 0.0, z_c - lse), mask=ok)
+
+
+def top_width(k: int) -> int:
+    """The width of the kernels' top lists for a top-k of k: a power of two, at least 2."""
+    return max(2, triton.next_power_of_2(k))
 
 
 def triton_log_probs_forward(
@@ -231,11 +319,19 @@ def triton_log_probs_forward(
     compute_entropy: bool,
     softcap: float | None = None,
     config: TileConfig | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32; ignored tokens give 0."""
+    top_k: int = 0,
+    candidates: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor, Extras]:
+    """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32, ignored tokens giving 0, and the Extras
+    asked for (see torch_log_probs.Extras): `top_k` > 0, `candidates` [N, C] (int64 ids; negative: none here).
+    A tile holds at least a top list: for a top-k wider than the dtype's tiles, the tiles widen (the log-probs may
+    then differ in the last bits from a call without it)."""
     n, h = hidden.shape
     v = weight.shape[0]
     cfg = config or tile_config(hidden.dtype)
+    width = top_width(top_k) if top_k else 0
+    if width > cfg.block_v:
+        cfg = replace(cfg, block_v=width)
     num_tiles = triton.cdiv(v, cfg.block_v)
     tiles_per_split = triton.cdiv(num_tiles, cfg.num_splits)
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
@@ -243,22 +339,41 @@ def triton_log_probs_forward(
     part_max, part_sum = torch.empty(2, num_splits, n, **f32)
     part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
     label_logit = torch.empty(n, **f32)
+    extras = Extras()
+    part_keys = part_tail = label_logit  # (placeholders where not asked for)
+    if top_k:
+        part_keys = torch.empty(num_splits, n, width, dtype=torch.int64, device=hidden.device)
+        part_tail = torch.empty(num_splits, n, **f32)
+        extras.top_log_probs = torch.empty(n, top_k, **f32)
+        extras.top_ids = torch.empty(n, top_k, dtype=torch.int64, device=hidden.device)
+        extras.tail_log_prob = torch.empty(n, **f32)
+    num_candidates = 0
+    if candidates is not None:
+        candidates = candidates.to(torch.int64).contiguous()
+        num_candidates = candidates.shape[1]
+        extras.candidate_log_probs = torch.zeros(n, num_candidates, **f32)  # (a logit, then its log-prob)
+    cand_ids = candidates if candidates is not None else labels
+    cand_out = extras.candidate_log_probs if candidates is not None else label_logit
     grid = (triton.cdiv(n, cfg.block_n) * num_splits,)
     h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
         h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
+        part_keys, part_tail, cand_ids, cand_out, num_candidates,
         n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits, softcap or 1.0,
         SOFTCAP=softcap is not None, COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
-        DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
+        DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, TOP_K=width,
+        CANDIDATES=candidates is not None, GROUP_R=cfg.group_r,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
-    block = 128
+    block = 16 if top_k else 128  # (rows a program combines; a row's result does not depend on it)
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
-        COMPUTE_ENTROPY=compute_entropy, BLOCK=block,
+        part_keys, part_tail, extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
+        extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
+        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, CANDIDATES=candidates is not None, BLOCK=block,
     )
-    return log_probs, entropy, lse
+    return log_probs, entropy, lse, extras

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..distributed import gather_rows, sum_over
 from .backends import HeadOptions, backend_backward, backend_forward
+from .torch_log_probs import order_keys
 
 # label markers inside a rank's call: never a row index, never the caller's ignore_index (translated to _IGNORED)
 _IGNORED, _ELSEWHERE = -2, -1
@@ -39,10 +40,14 @@ def _local_labels(labels: Tensor, ignore_index: int, start: int, rows: int) -> T
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions, group,
-                start: int):
+                start: int, candidates: Tensor | None):
         ctx.set_materialize_grads(False)
         local = _local_labels(labels, opts.ignore_index, start, weight.shape[0])
-        lp_r, ent_r, lse_r = backend_forward(hidden, weight, local, inv_temp, opts, ignore_index=_IGNORED)
+        mine = None
+        if candidates is not None:  # (a candidate of another rank's rows: -1, none here)
+            mine = torch.where((candidates >= start) & (candidates < start + weight.shape[0]), candidates - start, -1)
+        lp_r, ent_r, lse_r, extras = backend_forward(hidden, weight, local, inv_temp, opts, ignore_index=_IGNORED,
+                                                     candidates=mine)
         here = local >= 0
         z_label = torch.where(here, lp_r + lse_r, 0.0)  # (elsewhere, lp_r is not defined: never used)
         mu = lse_r - ent_r if ent_r is not None else torch.zeros_like(lse_r)
@@ -56,22 +61,54 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             entropy = torch.where(ignored, 0.0, lse - mean)
         ctx.save_for_backward(hidden, weight, local, inv_temp, lse, entropy)
         ctx.opts, ctx.group = opts, group
-        return log_probs, entropy
+        more = _merged_extras(extras, lse_r, lse, ignored, start, mine, group, opts.top_k)
+        ctx.mark_non_differentiable(*(t for t in more if t is not None))
+        return log_probs, entropy, *more
 
     @staticmethod
-    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
+    def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None, *_):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         if (grad_log_probs is None and grad_entropy is None) or not (need_hidden or need_weight):
-            return (None,) * 7
+            return (None,) * 8
         ## NB: every rank computes d_hidden (its part) even when only the weight needs a gradient here, since the
         # all_reduce below must be entered by all ranks alike.
         d_hidden, d_weight = backend_backward(ctx.saved_tensors, grad_log_probs, grad_entropy, ctx.opts,
                                               ignore_index=_IGNORED, need_hidden=True, need_weight=need_weight)
         summed = sum_over(d_hidden.float(), ctx.group)
-        return summed.to(d_hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None
+        return summed.to(d_hidden.dtype) if need_hidden else None, d_weight, None, None, None, None, None, None
+
+
+def _merged_extras(extras, lse_r: Tensor, lse: Tensor, ignored: Tensor, start: int, mine: Tensor | None, group,
+                   k: int) -> tuple:
+    """Every rank's top lists and candidates merged alike on every rank: each rank's k most likely (logits
+    rebuilt as log-prob + its lse, ids made global), the k largest of them in rank order with ties to the lower id,
+    the rest and every rank's tail into the tail; a candidate's logit from the rank holding it."""
+    top_lp = top_ids = tail = cands = None
+    if k:
+        top_z = extras.top_log_probs + lse_r[:, None]
+        ids = torch.where(extras.top_ids >= 0, extras.top_ids + start, 0)
+        tail_lse = extras.tail_log_prob + lse_r
+        every_z, every_ids = gather_rows(top_z, group), gather_rows(ids, group)  # [world, N, k]
+        every_tail = gather_rows(tail_lse, group)  # [world, N]
+        z = every_z.permute(1, 0, 2).reshape(lse.shape[0], -1)  # [N, world * k], rank order
+        all_ids = every_ids.permute(1, 0, 2).reshape(lse.shape[0], -1)
+        keys = order_keys(z, all_ids)
+        _, at = torch.topk(keys, k, dim=-1)
+        top_ids = all_ids.gather(-1, at)
+        top_lp = z.gather(-1, at) - lse[:, None]
+        rest = z.scatter(-1, at, float("-inf"))
+        tail = torch.logsumexp(torch.cat([every_tail.T, rest], dim=-1), dim=-1) - lse
+        top_lp = torch.where(ignored[:, None], 0.0, top_lp)
+        top_ids = torch.where(ignored[:, None], -1, top_ids)
+        tail = torch.where(ignored, 0.0, tail)
+    if mine is not None:
+        z_c = torch.where(mine >= 0, extras.candidate_log_probs + lse_r[:, None], 0.0)
+        cands = torch.where(ignored[:, None], 0.0, sum_over(z_c, group) - lse[:, None])
+    return top_lp, top_ids, tail, cands
 
 
 def vocab_parallel_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions,
-                             group, start: int) -> tuple[Tensor, Tensor | None]:
-    """Flattened inputs as `_FusedLogProbs` takes them, this rank's weight rows starting at global row `start`."""
-    return _VocabParallelLogProbs.apply(hidden, weight, labels, inv_temp, opts, group, start)
+                             group, start: int, candidates: Tensor | None = None) -> tuple:
+    """Flattened inputs as `_FusedLogProbs` takes them, this rank's weight rows starting at global row `start`:
+    (log_probs, entropy, top log-probs, top ids, tail, candidates' log-probs), the last four None unless asked."""
+    return _VocabParallelLogProbs.apply(hidden, weight, labels, inv_temp, opts, group, start, candidates)

@@ -1,0 +1,153 @@
+"""Top-k log-probs, the tail's mass and candidate sets from the fused head's one pass (both backends), against a
+float64 oracle: ids equal to a stable descending sort's (ties to the lower id), values as close as the plain
+log-probs are; odd V, k = 1 and k = V, ignored positions, per-token temperatures, softcap, bad arguments; the same
+bits for a token whatever else is in the call."""
+
+import pytest
+import torch
+
+from ppo_logprobs.workers import fused_log_probs
+from ppo_logprobs.workers.head.fused_log_probs import MAX_TOP_K
+
+from .reference import assert_same_bits
+
+BACKENDS = ["torch", "triton"]
+TOL = 2e-6  # max |error| / (1 + max |logit|), as the plain log-probs
+
+
+def oracle(hidden, weight, temps=1.0, softcap=None):
+    """float64 log-probs [N, V], ids sorted by descending log-prob with ties to the lower id."""
+    logits = hidden.double() @ weight.double().T
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / (temps.double()[:, None] if isinstance(temps, torch.Tensor) else temps)
+    log_p = torch.log_softmax(logits, dim=-1)
+    return log_p, torch.sort(log_p, dim=-1, descending=True, stable=True).indices, float(logits.abs().max())
+
+
+def inputs(n, h, v, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * scale / h**0.5
+    return hidden, weight, torch.randint(0, v, (n,), generator=g)
+
+
+def check(out, log_p, order, k, keep, tol):
+    ids = order[:, :k]
+    assert torch.equal(out.top_ids[keep], ids[keep])
+    assert (out.top_log_probs[keep].double() - log_p.gather(-1, ids)[keep]).abs().max() <= tol
+    tail = torch.logsumexp(log_p.scatter(-1, ids, float("-inf")), dim=-1)
+    got = out.tail_log_prob[keep].double()
+    if k == log_p.shape[-1]:
+        assert torch.isneginf(got).all()
+    else:
+        assert (got - tail[keep]).abs().max() <= tol
+    assert (out.top_log_probs[~keep] == 0).all() and (out.top_ids[~keep] == -1).all()
+    assert (out.tail_log_prob[~keep] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k", [1, 20])
+def test_top_k_and_tail_match_the_oracle_with_temperatures_and_ignored_positions(backend, k):
+    hidden, weight, labels = inputs(37, 24, 503)
+    labels[::5] = -100
+    temps = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
+    out = fused_log_probs(hidden, weight, labels, temps, top_k=k, backend=backend)
+    log_p, order, biggest = oracle(hidden, weight, temps)
+    keep = labels != -100
+    check(out, log_p, order, k, keep, TOL * (1 + biggest))
+    plain_lp, plain_ent = fused_log_probs(hidden, weight, labels, temps, backend=backend)
+    assert torch.equal(out.log_probs, plain_lp) and torch.equal(out.entropy, plain_ent)  # the same pass's bits
+    assert out.top_log_probs.shape == (37, k) and out.top_ids.dtype == torch.int64
+    assert out.candidate_log_probs is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_token_ranked_when_k_is_the_vocabulary(backend):
+    v = 61 if backend == "triton" else 503  # (the kernels' lists are powers of two up to MAX_TOP_K)
+    hidden, weight, labels = inputs(9, 16, v, seed=2)
+    out = fused_log_probs(hidden, weight, labels, top_k=v, backend=backend, softcap=2.5)
+    log_p, order, biggest = oracle(hidden, weight, softcap=2.5)
+    check(out, log_p, order, v, torch.ones(9, dtype=torch.bool), TOL * (1 + biggest))
+    assert torch.equal(out.top_ids.sort(dim=-1).values, torch.arange(v).expand(9, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_go_to_the_lower_id(backend):
+    """Integer-valued inputs make exact logits; rows 5, 17, 40 and 77 of the weight are one row, so their tokens
+    tie everywhere, and so do other exact coincidences."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randint(-2, 3, (11, 8), generator=g).float()
+    weight = torch.randint(-2, 3, (97, 8), generator=g).float()
+    weight[[17, 40, 77]] = weight[5].clone()
+    hidden[3] = 0.0  # every logit 0: the top k are ids 0..k-1
+    out = fused_log_probs(hidden, weight, torch.zeros(11, dtype=torch.long), top_k=8, backend=backend)
+    log_p, order, _ = oracle(hidden, weight)
+    assert torch.equal(out.top_ids, order[:, :8])
+    assert torch.equal(out.top_ids[3], torch.arange(8))
+    for row in range(11):
+        picked = out.top_ids[row].tolist()
+        if 17 in picked:
+            assert 5 in picked and picked.index(5) < picked.index(17)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_candidate_sets_shared_and_per_position(backend):
+    hidden, weight, labels = inputs(13, 24, 503, seed=4)
+    labels[6] = -100
+    log_p, _, biggest = oracle(hidden, weight)
+    keep = labels != -100
+    shared = torch.tensor([3, 502, 3, 0])  # (a repeated id is answered twice)
+    out = fused_log_probs(hidden, weight, labels, token_ids=shared, backend=backend)
+    assert out.top_log_probs is None and out.candidate_log_probs.shape == (13, 4)
+    assert (out.candidate_log_probs[keep].double() - log_p[:, shared][keep]).abs().max() <= TOL * (1 + biggest)
+    assert torch.equal(out.candidate_log_probs[:, 0], out.candidate_log_probs[:, 2])
+    assert (out.candidate_log_probs[6] == 0).all()
+    per = torch.randint(0, 503, (13, 5), generator=torch.Generator().manual_seed(5))
+    per[:, 0] = labels.clamp(min=0)
+    both = fused_log_probs(hidden, weight, labels, token_ids=per, top_k=3, backend=backend)
+    assert (both.candidate_log_probs[keep].double() - log_p.gather(-1, per)[keep]).abs().max() <= TOL * (1 + biggest)
+    torch.testing.assert_close(both.candidate_log_probs[keep, 0], both.log_probs[keep], rtol=0, atol=1e-6)
+    check(both, log_p, oracle(hidden, weight)[1], 3, keep, TOL * (1 + biggest))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tokens_top_k_does_not_depend_on_the_rest_of_the_call(backend):
+    hidden, weight, labels = inputs(40, 24, 503, seed=6)
+    whole = fused_log_probs(hidden, weight, labels, top_k=7, token_ids=torch.tensor([1, 2]), backend=backend)
+    idx = torch.tensor([31, 2, 17])
+    part = fused_log_probs(hidden[idx], weight, labels[idx], top_k=7, token_ids=torch.tensor([1, 2]),
+                           backend=backend)
+    assert torch.equal(part.top_ids, whole.top_ids[idx])
+    interpreted = backend == "triton"
+    for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+        assert_same_bits(getattr(part, name), getattr(whole, name)[idx], interpreted)
+
+
+def test_shapes_follow_the_labels_and_no_tokens_give_empty_answers():
+    hidden, weight, _ = inputs(12, 24, 503, seed=7)
+    labels = torch.randint(0, 503, (3, 4))
+    out = fused_log_probs(hidden.view(3, 4, 24), weight, labels, top_k=5, token_ids=torch.tensor([9, 8]))
+    assert out.top_ids.shape == (3, 4, 5) and out.tail_log_prob.shape == (3, 4)
+    assert out.candidate_log_probs.shape == (3, 4, 2)
+    flat = fused_log_probs(hidden, weight, labels.reshape(12), top_k=5, token_ids=torch.tensor([9, 8]))
+    assert torch.equal(out.top_ids.reshape(12, 5), flat.top_ids)
+    empty = fused_log_probs(hidden[:0], weight, labels.reshape(12)[:0], top_k=5, token_ids=torch.tensor([9]))
+    assert empty.top_ids.shape == (0, 5) and empty.candidate_log_probs.shape == (0, 1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(top_k=-1), r"top_k must be an integer in \[0, 503\].*got -1"),
+    (dict(top_k=504), r"top_k must be an integer in \[0, 503\].*got 504"),
+    (dict(top_k=True), r"top_k must be an integer.*got True"),
+    (dict(top_k=MAX_TOP_K + 1, backend="triton"), rf"top_k must be an integer in \[0, {MAX_TOP_K}\] \(MAX_TOP_K"),
+    (dict(token_ids=torch.tensor([4, 503])), r"token_ids\[1\] = 503 is outside the vocabulary \[0, 503\)"),
+    (dict(token_ids=torch.tensor([[4, -1]] * 6)), r"token_ids\[0, 1\] = -1 is outside the vocabulary"),
+    (dict(token_ids=torch.tensor([[4, 1]] * 5)), r"token_ids must be \[C\] or \[6, C\].*got shape \(5, 2\)"),
+    (dict(token_ids=torch.tensor([1.0])), r"token_ids must be an integer tensor"),
+    (dict(token_ids=torch.tensor([], dtype=torch.long)), r"at least one candidate"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    hidden, weight, labels = inputs(6, 24, 503, seed=8)
+    with pytest.raises(ValueError, match=message):
+        fused_log_probs(hidden, weight, labels, **kwargs)
