@@ -293,32 +293,56 @@ class AsyncLogProbClient(_Base):
 def connect_pool(model: str = "policy", *, service: str = "ppo_logprobs", address: str = "auto"):
     """The WorkerPool of `model` in a running service (started with --pool-name `service`), for a trainer on
     the same Ray cluster; joins the cluster at `address` when this process has not yet (with "auto", the Ray
-    running on this machine, wherever it listens)."""
+    running on this machine, wherever it listens). A trainer on another machine joins that machine to the
+    cluster first (`ray start --address=<head>:6379`); without a Ray node here this raises ConnectionError."""
     import ray
 
     from ppo_logprobs.workers import WorkerPool
 
     if not ray.is_initialized():
-        if address == "auto":
-            _join_loopback_ray()
-        ray.init(address=address)
+        _join_loopback_ray(address)
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            if address == "auto" or "RAY_AUTH_MODE" in os.environ:
+                raise
+            # Ray sends this machine's token only to a Ray it found itself ("auto"), never to an address given
+            raise ConnectionError(f"{e}. If the cluster uses token authentication, set RAY_AUTH_MODE=token (the "
+                                  f"token in ~/.ray/auth_token or RAY_AUTH_TOKEN), or pass address='auto'") from e
     return WorkerPool.connect(f"{service}:{model}")
 
 
-def _join_loopback_ray() -> None:
+def _join_loopback_ray(address: str) -> None:
     """A service started on loopback (`make serve`) keeps its Ray on 127.0.0.1, where a driver would not look: Ray
-    dials the machine's own address unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set before it was imported.
-    When the one Ray on this machine listens on loopback only, this process joins it there."""
+    dials the machine's own address (also for an `address` of 127.0.0.1) unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    was set before it was imported. When the Ray at `address` ("auto": the one Ray on this machine) listens on
+    loopback only, this process joins it there. A driver attaches to a Ray node on its own machine; where there is
+    none (a machine that has not joined the cluster), Ray would wait a minute and fail without saying so."""
     import ipaddress
 
     from ray._private import ray_constants, services
 
-    found = services.find_gcs_addresses()
-    host = next(iter(found)).rsplit(":", 1)[0].strip("[]") if len(found) == 1 else ""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:  # none, several, or a host name: Ray's own resolution applies
+    target = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+    if target.startswith("ray://"):  # Ray Client: no node of its own needed, nothing to rewrite
         return
+    if not services.find_node_ids():
+        head = address if address != "auto" else "<head>:6379"
+        raise ConnectionError(f"no Ray node runs on this machine, and connect_pool attaches to one: join the "
+                              f"service's cluster here first (`ray start --address={head}`, the head's address)")
+
+    def on_loopback(addr: str) -> bool:
+        host = addr.rsplit(":", 1)[0].strip("[]")
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: Ray's own resolution applies
+            return False
+
+    found = services.find_gcs_addresses()  # the GCS addresses this machine's Ray nodes were started with
+    if address == "auto":
+        loopback = len(found) == 1 and on_loopback(next(iter(found)))  # none or several: Ray's own choice applies
+    else:  # a loopback address of a Ray that listens on the machine's own address is left to Ray's rewrite
+        port = address.rsplit(":", 1)[-1]
+        loopback = on_loopback(address) and any(on_loopback(a) and a.rsplit(":", 1)[-1] == port for a in found)
     if loopback:
         os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes this one starts
         ray_constants.ENABLE_RAY_CLUSTER = False  # read when this process picks its node address
