@@ -1,6 +1,6 @@
 """The vocab-parallel head: two CPU processes (gloo), each with half the vocabulary (an odd V, so the halves
 differ), against the single-device head and a float64 oracle: values, gradients, ignore_index, per-token
-temperature, softcap, no entropy, batch invariance, the same bits on both ranks."""
+temperature, softcap, no entropy, batch invariance, the same bits on both ranks; top-k, tail and candidates."""
 
 import os
 
@@ -79,6 +79,15 @@ def check(rank, backend, dtype, softcap, ignore_index, device="cpu"):
                                       compute_entropy=False, **kw)
     assert none is None
     torch.testing.assert_close(no_ent_lp, lp.detach(), rtol=0, atol=1e-6)
+
+    # top-k, the tail and candidates (ids on both sides of the cut): each rank's lists merged in rank order
+    asked = dict(top_k=5, token_ids=torch.tensor([250, 251, 0, 502, 251], device=device))
+    both = fused_log_probs(hidden, mine.detach(), labels, temps, process_group=dist.group.WORLD, **asked, **kw)
+    one = fused_log_probs(hidden, weight, labels, temps, **asked, **kw)
+    assert torch.equal(both.top_ids, one.top_ids) and same_on_every_rank(both.top_ids)
+    for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+        assert same_on_every_rank(getattr(both, name)), name
+        torch.testing.assert_close(getattr(both, name), getattr(one, name), rtol=0, atol=OUT_TOL * scale)
 
     bad = labels.clone()
     bad[4] = v  # global ids: V is the whole vocabulary, not this rank's rows
