@@ -19,6 +19,8 @@ from .errors import RequestError, TooLarge, clip
 # every distribution is uniform to fp32 precision.
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 1e2
+MAX_TOP_K = 256  # the widest top-k (the fused head's; services may set less)
+MAX_TOKEN_IDS = 1024  # candidate ids in one list
 
 
 def _value(x) -> str:
@@ -93,6 +95,8 @@ class ScoreRequest:
     score_from: np.ndarray  # int64 [n]: entry k of result i scores token score_from[i] + k
     temperature: np.ndarray  # float64 [n]
     return_entropy: bool = True
+    top_k: int = 0  # each scored position's k most likely tokens too (and the tail's mass)
+    token_ids: np.ndarray | None = None  # int64 [n, C]: candidates whose log-probs each position gives (-1: none)
 
     @classmethod
     def build(
@@ -105,9 +109,14 @@ class ScoreRequest:
         vocab_size: int,
         max_length: int,
         max_tokens: int | None = None,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        max_top_k: int = MAX_TOP_K,
+        max_token_ids: int = MAX_TOKEN_IDS,
     ) -> ScoreRequest:
         """Checks everything once, before any device work. RequestError (or TooLarge, over max_length tokens in a
-        sequence or max_tokens in the request) names the field, the sequence and the value."""
+        sequence or max_tokens in the request) names the field, the sequence and the value. `token_ids`: candidate
+        ids, one list for every sequence or one per sequence."""
         lengths, tokens = _lengths_and_tokens(input_ids)
         n = len(lengths)
         if (short := np.flatnonzero(lengths < 2)).size:
@@ -139,7 +148,11 @@ class ScoreRequest:
             )
         if not isinstance(return_entropy, (bool, np.bool_)):
             raise RequestError(f"return_entropy = {_value(return_entropy)} must be true or false")
-        return cls(tokens.astype(np.int32), offsets, starts, temps, bool(return_entropy))
+        most = min(max_top_k, vocab_size)
+        if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= most:
+            raise RequestError(f"top_k = {_value(top_k)} must be an integer in [0, {most}]")
+        candidates = None if token_ids is None else _candidates(token_ids, n, vocab_size, max_token_ids)
+        return cls(tokens.astype(np.int32), offsets, starts, temps, bool(return_entropy), int(top_k), candidates)
 
     def __len__(self) -> int:
         return len(self.score_from)
@@ -153,6 +166,10 @@ class ScoreRequest:
         """Entries each sequence's result has."""
         return self.lengths - self.score_from
 
+    def candidate_counts(self) -> np.ndarray | None:
+        """How many candidates each sequence asked for ([n]; its row of token_ids is padded with -1 past them)."""
+        return None if self.token_ids is None else (self.token_ids >= 0).sum(axis=1)
+
     def result_offsets(self) -> np.ndarray:
         """Where each sequence's entries start in the flat result ([n + 1], int64; the last is their count)."""
         offsets = np.zeros(len(self) + 1, dtype=np.int64)
@@ -163,7 +180,8 @@ class ScoreRequest:
         """Sequences lo .. hi - 1 (views, no copy)."""
         a, b = self.offsets[lo], self.offsets[hi]
         return ScoreRequest(self.tokens[a:b], self.offsets[lo : hi + 1] - a, self.score_from[lo:hi],
-                            self.temperature[lo:hi], self.return_entropy)
+                            self.temperature[lo:hi], self.return_entropy, self.top_k,
+                            None if self.token_ids is None else self.token_ids[lo:hi])
 
     def select(self, index: np.ndarray) -> ScoreRequest:
         """These sequences, in this order (a share)."""
@@ -172,17 +190,58 @@ class ScoreRequest:
         offsets = np.zeros(len(index) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return ScoreRequest(self.tokens[ragged_index(self.offsets[index], lengths)], offsets,
-                            self.score_from[index], self.temperature[index], self.return_entropy)
+                            self.score_from[index], self.temperature[index], self.return_entropy, self.top_k,
+                            None if self.token_ids is None else self.token_ids[index])
 
     @staticmethod
     def concat(parts: Sequence[ScoreRequest]) -> ScoreRequest:
-        """The sequences of every part, one after another; entropy when any part asks for it."""
+        """The sequences of every part, one after another; entropy when any part asks for it; candidates padded
+        to the widest part's (-1). Parts must ask for one top_k (a tail's mass depends on its k)."""
+        if len({p.top_k for p in parts}) > 1:
+            raise ValueError(f"requests asking for top_k {sorted({p.top_k for p in parts})} cannot be joined")
         sizes = np.array([p.offsets[-1] for p in parts])
         shift = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         offsets = np.concatenate([[0]] + [p.offsets[1:] + s for p, s in zip(parts, shift, strict=True)])
+        token_ids = None
+        if any(p.token_ids is not None for p in parts):
+            width = max(p.token_ids.shape[1] for p in parts if p.token_ids is not None)
+            token_ids = np.full((sum(len(p) for p in parts), width), -1, dtype=np.int64)
+            at = 0
+            for p in parts:
+                if p.token_ids is not None:
+                    token_ids[at : at + len(p), : p.token_ids.shape[1]] = p.token_ids
+                at += len(p)
         return ScoreRequest(np.concatenate([p.tokens for p in parts]), offsets.astype(np.int64),
                             np.concatenate([p.score_from for p in parts]),
-                            np.concatenate([p.temperature for p in parts]), any(p.return_entropy for p in parts))
+                            np.concatenate([p.temperature for p in parts]), any(p.return_entropy for p in parts),
+                            parts[0].top_k, token_ids)
+
+
+def _candidates(token_ids, n: int, vocab_size: int, most: int) -> np.ndarray:
+    """Candidate ids, one list for all n sequences or one per sequence, as int64 [n, C] padded with -1."""
+    if not isinstance(token_ids, (Sequence, np.ndarray)) or isinstance(token_ids, str) or len(token_ids) == 0:
+        raise RequestError("token_ids must be a non-empty list of token ids, or one such list per sequence")
+    shared = not isinstance(token_ids[0], (Sequence, np.ndarray)) or isinstance(token_ids[0], str)
+    if not shared and len(token_ids) != n:
+        raise RequestError(f"token_ids has {len(token_ids)} lists for {n} sequences (or give one list for all)")
+    lists = [token_ids] if shared else token_ids
+    width = 0
+    for i, ids in enumerate(lists):
+        where = "token_ids" if shared else f"token_ids[{i}]"
+        if not isinstance(ids, (Sequence, np.ndarray)) or isinstance(ids, str) or len(ids) == 0:
+            raise RequestError(f"{where} = {_value(ids)} must be a non-empty list of token ids")
+        if len(ids) > most:
+            raise RequestError(f"{where} has {len(ids)} ids; the limit is {most}")
+        for j, x in enumerate(ids):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise RequestError(f"{where}[{j}] = {_value(x)} is not a token id (an integer)")
+            if not 0 <= x < vocab_size:
+                raise RequestError(f"{where}[{j}] = {_value(x)} is outside the vocabulary [0, {vocab_size})")
+        width = max(width, len(ids))
+    out = np.full((n, width), -1, dtype=np.int64)
+    for i, ids in enumerate(lists):
+        out[slice(None) if shared else i, : len(ids)] = ids
+    return out
 
 
 def ragged_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -212,6 +271,13 @@ class SequenceScores:
     log_probs: np.ndarray  # float32, [len(seq) - score_from]
     entropy: np.ndarray | None  # float32, same length; None when not asked for
     weights_version: int
+    top_log_probs: np.ndarray | None = None  # float32 [entries, k], most likely first (top_k asked)
+    top_ids: np.ndarray | None = None  # int32 [entries, k]
+    tail_log_prob: np.ndarray | None = None  # float32 [entries]: every token outside the top k
+    candidate_log_probs: np.ndarray | None = None  # float32 [entries, C] (token_ids asked)
+
+
+EXTRAS = ("top_log_probs", "top_ids", "tail_log_prob", "candidate_log_probs")  # per entry, beside log_probs
 
 
 @dataclass
@@ -225,6 +291,15 @@ class ScoreResult:
     # float64 [n]: the tokens computed for each sequence, a piece shared by k sequences counting 1/k to each
     # (workers/prefixes.py); None: not told (then each sequence's own length)
     computed: np.ndarray | None = None
+    # per entry, as SequenceScores (rows of [scored, ...]); None where not asked for
+    top_log_probs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    tail_log_prob: np.ndarray | None = None
+    candidate_log_probs: np.ndarray | None = None
+
+    def extras(self) -> dict[str, np.ndarray]:
+        """The per-entry arrays asked for beside log_probs and entropy, by name."""
+        return {name: value for name in EXTRAS if (value := getattr(self, name)) is not None}
 
     def computed_tokens(self, lengths: np.ndarray) -> int:
         """The tokens computed for these sequences (whose lengths are `lengths`)."""
@@ -233,17 +308,26 @@ class ScoreResult:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def sequences(self) -> list[SequenceScores]:
-        lp = np.split(self.log_probs, self.offsets[1:-1])
-        ent = np.split(self.entropy, self.offsets[1:-1]) if self.entropy is not None else [None] * len(lp)
-        return [SequenceScores(a, b, self.weights_version) for a, b in zip(lp, ent, strict=True)]
+    def sequences(self, candidates: np.ndarray | None = None) -> list[SequenceScores]:
+        """Each sequence's entries; `candidates`: how many candidates each asked for (ScoreRequest.candidate_counts),
+        to cut its candidate_log_probs to them."""
+        cuts = self.offsets[1:-1]
+        lp = np.split(self.log_probs, cuts)
+        ent = np.split(self.entropy, cuts) if self.entropy is not None else [None] * len(lp)
+        extras = {name: np.split(value, cuts) for name, value in self.extras().items()}
+        if candidates is not None and "candidate_log_probs" in extras:
+            extras["candidate_log_probs"] = [c[:, :k] for c, k in zip(extras["candidate_log_probs"], candidates,
+                                                                      strict=True)]
+        return [SequenceScores(a, b, self.weights_version, **{name: parts[i] for name, parts in extras.items()})
+                for i, (a, b) in enumerate(zip(lp, ent, strict=True))]
 
     def span(self, lo: int, hi: int) -> ScoreResult:
         """Sequences lo .. hi - 1 (views, no copy)."""
         a, b = self.offsets[lo], self.offsets[hi]
         entropy = self.entropy[a:b] if self.entropy is not None else None
         computed = None if self.computed is None else self.computed[lo:hi]
-        return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version, computed)
+        return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version, computed,
+                           **{name: value[a:b] for name, value in self.extras().items()})
 
     @staticmethod
     def merge(parts: Sequence[tuple[np.ndarray, ScoreResult]], n: int, entropy: bool) -> ScoreResult:
@@ -256,11 +340,15 @@ class ScoreResult:
         np.cumsum(counts, out=offsets[1:])
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         ent = np.empty(offsets[-1], dtype=np.float32) if entropy else None
+        extras = {name: np.empty((offsets[-1], *value.shape[1:]), dtype=value.dtype)
+                  for name, value in parts[0][1].extras().items()} if parts else {}
         for index, part in parts:
             where = ragged_index(offsets[:-1][index], counts[index])
             log_probs[where] = part.log_probs
             if ent is not None:
                 ent[where] = part.entropy
+            for name, value in extras.items():
+                value[where] = getattr(part, name)
         versions = {part.weights_version for _, part in parts}
         if len(versions) > 1:
             raise ValueError(f"parts of versions {sorted(versions)} cannot be merged")
@@ -269,7 +357,7 @@ class ScoreResult:
             computed = np.zeros(n)
             for index, part in parts:
                 computed[index] = part.computed
-        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed)
+        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, **extras)
 
     def all_finite(self) -> bool:
         return bool(np.isfinite(self.log_probs).all() and (self.entropy is None or np.isfinite(self.entropy).all()))

@@ -19,6 +19,7 @@ the instance and its modules are patched (`types.MethodType`); no class is touch
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from functools import partial
@@ -44,10 +45,17 @@ _IGNORE = -100
 
 @dataclass
 class CausalLMOutputForPPO(CausalLMOutputWithPast):
-    """A causal LM's output with per-token `log_probs` and `entropy` ([B, T], fp32) instead of logits."""
+    """A causal LM's output with per-token `log_probs` and `entropy` ([B, T], fp32) instead of logits; asked for
+    (`top_k`, `token_ids`), each position's most likely tokens' log-probs and ids ([B, T, k]), the log-probability of
+    all the others (`tail_log_prob`, [B, T]) and the candidates' log-probs ([B, T, C]). With `scored`, each is per
+    scored position instead ([N] or [N, ...])."""
 
     log_probs: torch.FloatTensor | None = None
     entropy: torch.FloatTensor | None = None
+    top_log_probs: torch.FloatTensor | None = None
+    top_ids: torch.LongTensor | None = None
+    tail_log_prob: torch.FloatTensor | None = None
+    candidate_log_probs: torch.FloatTensor | None = None
 
 
 def head_softcap(model: nn.Module) -> float | None:
@@ -142,6 +150,8 @@ def _forward_for_ppo(
     pieces: varlen_attention.Pieces | None = None,
     scored_labels: Tensor | None = None,
     scored_temperature: Tensor | None = None,
+    top_k: int = 0,
+    token_ids: Tensor | None = None,
     *,
     backend: Backend,
     softcap: float | None,
@@ -195,22 +205,28 @@ def _forward_for_ppo(
             temperature = temperature.expand(input_ids.shape).reshape(-1)[wanted]
     elif isinstance(temperature, Tensor):
         temperature = temperature.expand(input_ids.shape).reshape(-1)
-    log_probs, entropy = fused_log_probs(
+    if token_ids is not None and token_ids.dim() == 3:  # [B, T, C], one set per position: those that reach the head
+        token_ids = token_ids.reshape(-1, token_ids.shape[-1])
+        token_ids = token_ids if wanted is None else token_ids[wanted]
+    out = fused_log_probs(
         hidden, self.get_output_embeddings().weight, labels, temperature, ignore_index=_IGNORE, backend=backend,
         softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=not checked_inputs,
+        top_k=top_k, token_ids=token_ids,
     )
-    if scored is None:  # back to [B, T], 0 where nothing was scored
-        log_probs, entropy = (None if x is None else _spread(x, wanted, input_ids.shape) for x in (log_probs, entropy))
-    return CausalLMOutputForPPO(
-        log_probs=log_probs, entropy=entropy, hidden_states=body and body.hidden_states,
-        attentions=body and body.attentions,
-    )
+    fields = dict(zip(("log_probs", "entropy"), out, strict=False))
+    if top_k or token_ids is not None:
+        fields = {name: getattr(out, name) for name in out._fields}
+    if scored is None:  # back to [B, T] (and [B, T, ...]), 0 where nothing was scored
+        fields = {name: None if x is None else _spread(x, wanted, input_ids.shape) for name, x in fields.items()}
+    return CausalLMOutputForPPO(**fields, hidden_states=body and body.hidden_states,
+                                attentions=body and body.attentions)
 
 
 def _spread(values: Tensor, wanted: Tensor | None, shape: torch.Size) -> Tensor:
+    shape = (*shape, *values.shape[1:])
     if wanted is None:
         return values.view(shape)
-    return values.new_zeros(shape.numel()).index_put((wanted,), values).view(shape)
+    return values.new_zeros((math.prod(shape[:2]), *values.shape[1:])).index_put((wanted,), values).view(shape)
 
 
 def _model_body(self, input_ids, attention_mask, position_ids, segments, how, kwargs):

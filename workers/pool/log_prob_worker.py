@@ -219,14 +219,22 @@ class LogProbWorker:
         score_from: int | Sequence[int] = 1,
         temperature: float | Sequence[float] = 1.0,
         return_entropy: bool = True,
+        *,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[SequenceScores]:
-        """Scores plain lists (validated here, RequestError naming the sequence); results in the order given."""
-        return self.score_request(self.request(input_ids, score_from, temperature, return_entropy)).sequences()
+        """Scores plain lists (validated here, RequestError naming the sequence); results in the order given.
+        `top_k`: each entry's k most likely tokens too, with the tail's mass; `token_ids`: candidates (one list for
+        every sequence, or one per sequence) whose log-probs each entry gives (SequenceScores)."""
+        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+        return self.score_request(request).sequences(request.candidate_counts())
 
-    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True) -> ScoreRequest:
+    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True, *, top_k: int = 0,
+                token_ids=None) -> ScoreRequest:
         """Plain lists as a validated ScoreRequest for this model (RequestError naming the sequence)."""
         return ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
-                                  vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch)
+                                  vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch,
+                                  top_k=top_k, token_ids=token_ids)
 
     def score_request(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request (the pool's and the gateway's path). `scoring` counts the calls under way
@@ -247,6 +255,14 @@ class LogProbWorker:
         offsets = request.result_offsets()
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
+        extras = {}  # what else each entry gives, by the name of the forward's output
+        if request.top_k:
+            k = request.top_k
+            extras.update(top_log_probs=np.empty((offsets[-1], k), dtype=np.float32),
+                          top_ids=np.empty((offsets[-1], k), dtype=np.int32),
+                          tail_log_prob=np.empty(offsets[-1], dtype=np.float32))
+        if request.token_ids is not None:
+            extras["candidate_log_probs"] = np.empty((offsets[-1], request.token_ids.shape[1]), dtype=np.float32)
         computed = lengths.astype(np.float64)  # (shared rows say less)
         limit = self.max_tokens_per_batch
         queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
@@ -254,7 +270,7 @@ class LogProbWorker:
             group, limit = queue.pop()
             sizes = lengths[group]
             try:
-                cost = self._score_group(request, group, limit, offsets, log_probs, entropy, computed)
+                cost = self._score_group(request, group, limit, offsets, log_probs, entropy, computed, extras)
             except torch.OutOfMemoryError:
                 cost = self._row_cost(request, group, limit)
                 if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
@@ -266,7 +282,13 @@ class LogProbWorker:
                 half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
                 log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
                 queue.extend((part, half) for part in self._split(request, group, half))
-        return ScoreResult(log_probs, entropy, offsets, self.weights_version, computed)
+        return ScoreResult(log_probs, entropy, offsets, self.weights_version, computed, **extras)
+
+    def _shares(self, request: ScoreRequest) -> bool:
+        """Whether sequences sharing a prefix compute it once here: sharing is on, and every sequence asks for the
+        same candidates, if any (a shared position is scored once for all its sequences)."""
+        ids = request.token_ids
+        return self.min_shared_prefix is not None and (ids is None or bool((ids == ids[:1]).all()))
 
     def _split(self, request: ScoreRequest, group: np.ndarray, limit: int) -> list[np.ndarray]:
         """These sequences (request indices) in forwards of at most `limit` tokens computed; sequences that share a
@@ -274,7 +296,7 @@ class LogProbWorker:
         lengths = request.lengths[group]
         if self.layout == "padded":
             return [group[b] for b in pad_batches(lengths, limit)]
-        trees = None if self.min_shared_prefix is None else forest(request, group, self.min_shared_prefix)
+        trees = forest(request, group, self.min_shared_prefix) if self._shares(request) else None
         if trees is None or not trees.shared:
             return [group[r] for r in pack_rows(lengths, limit)]
         units, todo = [], [trees]
@@ -291,7 +313,7 @@ class LogProbWorker:
 
     def _row_cost(self, request: ScoreRequest, group: np.ndarray, limit: int) -> int:
         """Tokens one forward of these sequences computes, shared prefixes once, padding included."""
-        if self.min_shared_prefix is not None and (trees := forest(request, group, self.min_shared_prefix)).shared:
+        if self._shares(request) and (trees := forest(request, group, self.min_shared_prefix)).shared:
             return trees.tokens
         return self.cost(request.lengths[group], limit)
 
@@ -302,15 +324,18 @@ class LogProbWorker:
         return bucket_length(int(lengths.sum()), limit) if self.row_buckets else int(lengths.sum())
 
     def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                     log_probs: np.ndarray, entropy: np.ndarray | None, computed: np.ndarray) -> int:
+                     log_probs: np.ndarray, entropy: np.ndarray | None, computed: np.ndarray,
+                     extras: dict[str, np.ndarray]) -> int:
         """One forward of these sequences; writes their entries (and, sharing prefixes, their parts of the tokens
         computed); returns its cost in tokens."""
         inputs, (dst, take, shares), cost = self._group_inputs(request, group, limit, offsets)
         with self.room(cost):
-            out = self._forward(**inputs, compute_entropy=entropy is not None)
+            out = self._forward(**inputs, compute_entropy=entropy is not None, top_k=request.top_k)
         log_probs[dst] = out.log_probs.cpu().numpy()[take]
         if entropy is not None:
             entropy[dst] = out.entropy.cpu().numpy()[take]
+        for name, values in extras.items():
+            values[dst] = getattr(out, name).cpu().numpy()[take]
         if shares is not None:
             computed[list(shares)] = list(shares.values())
         self.stats["rows"] += 1
@@ -353,7 +378,7 @@ class LogProbWorker:
         go in the request's flat results (whose sequence starts are `offsets`): entry dst[i] takes the forward's
         result take[i]; each sequence's part of the tokens computed, where prefixes are shared (else None); and its
         cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
-        if self.min_shared_prefix is not None:
+        if self._shares(request):
             trees = forest(request, group, self.min_shared_prefix)
             if trees.shared:
                 return self._pieces_inputs(request, trees, offsets)
@@ -382,6 +407,9 @@ class LogProbWorker:
         dst = ragged_index(offsets[:-1][group], lengths - starts)
         made = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
         made["scored"] = torch.from_numpy(src).to(self.device)
+        if request.token_ids is not None:  # each scored position its sequence's candidates
+            made["token_ids"] = torch.from_numpy(np.repeat(request.token_ids[group], lengths - starts, axis=0)
+                                                 ).to(self.device)
         return made, (dst, np.arange(dst.size), None), cost
 
     def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray) -> tuple[dict, tuple, int]:
@@ -398,6 +426,8 @@ class LogProbWorker:
         inputs = dict(input_ids=device(plan.ids)[None], position_ids=device(plan.positions)[None],
                       scored=device(plan.scored), scored_labels=device(plan.labels),
                       scored_temperature=device(plan.temperature), pieces=pieces)
+        if request.token_ids is not None:  # (one set for every sequence: see _shares)
+            inputs["token_ids"] = device(request.token_ids[0])
         return inputs, (plan.dst, plan.take, trees.shares()), trees.tokens
 
     def _forward(self, **inputs):

@@ -256,7 +256,7 @@ def _run(coroutine):
 
 
 def _score_task(owner, workers: list, request: ScoreRequest, min_shared_prefix: int | None) -> list[SequenceScores]:
-    return _run(score_on_pool(owner, workers, request, min_shared_prefix)).sequences()
+    return _run(score_on_pool(owner, workers, request, min_shared_prefix)).sequences(request.candidate_counts())
 
 
 class WorkerPool:
@@ -394,10 +394,11 @@ class WorkerPool:
         """The version every worker serves once the last update has landed (asked of the owner)."""
         return ray.get(self.owner.state.remote())["version"]
 
-    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True) -> ScoreRequest:
+    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True, *, top_k: int = 0,
+                token_ids=None) -> ScoreRequest:
         """Plain lists as a validated ScoreRequest (RequestError naming the sequence, before any work is sent)."""
         return ScoreRequest.build(input_ids, score_from, temperature, return_entropy, vocab_size=self.vocab_size,
-                                  max_length=self.max_tokens_per_batch)
+                                  max_length=self.max_tokens_per_batch, top_k=top_k, token_ids=token_ids)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request from an event loop (the gateway's path: two Ray hops, no task between)."""
@@ -409,11 +410,17 @@ class WorkerPool:
         score_from: int | Sequence[int] = 1,
         temperature: float | Sequence[float] = 1.0,
         return_entropy: bool = True,
+        *,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[SequenceScores]:
         """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
-        log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length)."""
-        request = self.request(input_ids, score_from, temperature, return_entropy)
-        return _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix)).sequences()
+        log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length).
+        `top_k`, `token_ids`: as LogProbWorker.score (the k most likely tokens of each entry with the tail's mass;
+        candidates' log-probs)."""
+        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+        result = _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix))
+        return result.sequences(request.candidate_counts())
 
     def compute_log_probs_async(
         self,
@@ -421,9 +428,12 @@ class WorkerPool:
         score_from: int | Sequence[int] = 1,
         temperature: float | Sequence[float] = 1.0,
         return_entropy: bool = True,
+        *,
+        top_k: int = 0,
+        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> ray.ObjectRef:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
-        request = self.request(input_ids, score_from, temperature, return_entropy)
+        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
         return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request, self.min_shared_prefix)
 
     def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef, *,

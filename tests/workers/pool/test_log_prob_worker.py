@@ -169,3 +169,79 @@ def test_bad_requests_name_the_sequence(input_ids, score_from, temperature, mess
     worker = LogProbWorker("tiny", max_tokens_per_batch=256, backend="torch")
     with pytest.raises(ValueError, match=message):
         worker.score(input_ids, score_from, temperature)
+
+
+def oracle(model, seq, score_from, temperature=1.0):
+    """float64 log-probs [entries, V] of one sequence, from the model's own body and head."""
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([seq])).last_hidden_state[0]
+        logits = hidden.double() @ model.lm_head.weight.double().T / temperature
+    return torch.log_softmax(logits, dim=-1)[score_from - 1 : len(seq) - 1]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_top_k_tail_and_candidates_per_sequence(model, layout):
+    """Each entry's k most likely tokens (ids as a stable sort's), the tail's log-probability and the candidates'
+    log-probs, against float64; per-sequence candidate lists of several lengths come back cut to each list."""
+    seqs = random_sequences(7, seed=21, lo=5, hi=70)
+    starts = [1 + i % 4 for i in range(7)]
+    temps = [0.7 + 0.1 * i for i in range(7)]
+    ids = [[i, 502 - i, 7][: 1 + i % 3] for i in range(7)]
+    worker = LogProbWorker(model, max_tokens_per_batch=128, layout=layout)
+    got = worker.score(seqs, starts, temps, top_k=6, token_ids=ids)
+    for i, r in enumerate(got):
+        log_p = oracle(model, seqs[i], starts[i], temps[i])
+        order = torch.sort(log_p, dim=-1, descending=True, stable=True).indices[:, :6]
+        assert np.array_equal(r.top_ids, order.numpy()), i
+        np.testing.assert_allclose(r.top_log_probs, log_p.gather(-1, order).numpy(), rtol=0, atol=1e-5)
+        tail = torch.logsumexp(log_p.scatter(-1, order, float("-inf")), dim=-1)
+        np.testing.assert_allclose(r.tail_log_prob, tail.numpy(), rtol=0, atol=1e-5)
+        assert r.candidate_log_probs.shape == (len(seqs[i]) - starts[i], len(ids[i]))
+        np.testing.assert_allclose(r.candidate_log_probs, log_p[:, ids[i]].numpy(), rtol=0, atol=1e-5)
+        assert r.top_ids.dtype == np.int32 and r.top_log_probs.dtype == np.float32
+    plain = worker.score(seqs, starts, temps)
+    assert all(p.top_ids is None and p.candidate_log_probs is None for p in plain)
+    for p, r in zip(plain, got, strict=True):
+        assert np.array_equal(p.log_probs, r.log_probs)  # (the same pass's log-probs, whatever else was asked)
+
+
+def test_shared_prompts_share_with_one_candidate_list_and_not_with_several(model):
+    """A shared position is scored once for all its sequences: with one candidate list for all they still share
+    (and get what each alone gets); with lists that differ they do not."""
+    g = np.random.default_rng(22)
+    prompt = g.integers(0, 503, 40).tolist()
+    seqs = [prompt + g.integers(0, 503, int(r)).tolist() for r in (9, 14, 3)]
+    worker = LogProbWorker(model, layout="packed", min_shared_prefix=16)
+    shared = worker.score(seqs, 30, top_k=3, token_ids=[5, 6])
+    assert worker.stats["computed_tokens"] < sum(map(len, seqs))
+    alone_worker = LogProbWorker(model, layout="packed", min_shared_prefix=None)
+    for seq, r in zip(seqs, shared, strict=True):
+        one = alone_worker.score([seq], 30, top_k=3, token_ids=[5, 6])[0]
+        assert np.array_equal(r.top_ids, one.top_ids)
+        for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+            np.testing.assert_allclose(getattr(r, name), getattr(one, name), rtol=0, atol=1e-6)
+    before = worker.stats["computed_tokens"]
+    worker.score(seqs, 30, token_ids=[[5], [6], [5]])
+    assert worker.stats["computed_tokens"] - before == sum(map(len, seqs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(top_k=504), r"top_k = 504 must be an integer in \[0, 256\]"),
+        (dict(top_k=-1), r"top_k = -1 must be an integer"),
+        (dict(top_k=2.0), r"top_k = 2.0 must be an integer"),
+        (dict(top_k=True), r"top_k = True must be an integer"),
+        (dict(token_ids=[]), r"token_ids must be a non-empty list"),
+        (dict(token_ids=[1, 503]), r"token_ids\[1\] = 503 is outside the vocabulary \[0, 503\)"),
+        (dict(token_ids=[[1], [2], [3]]), r"token_ids has 3 lists for 2 sequences"),
+        (dict(token_ids=[[1], [2, -4]]), r"token_ids\[1\]\[1\] = -4 is outside the vocabulary"),
+        (dict(token_ids=[[1], []]), r"token_ids\[1\] = \[\] must be a non-empty list"),
+        (dict(token_ids=[[1], [True]]), r"token_ids\[1\]\[0\] = True is not a token id"),
+        (dict(token_ids=list(range(1025))), r"token_ids has 1025 ids; the limit is 1024"),
+    ],
+)
+def test_bad_top_k_and_candidates_are_named(kwargs, message):
+    worker = LogProbWorker("tiny", max_tokens_per_batch=256, backend="torch")
+    with pytest.raises(ValueError, match=message):
+        worker.score([[1, 2], [3, 4]], **kwargs)

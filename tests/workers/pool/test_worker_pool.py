@@ -56,6 +56,24 @@ def test_pool_matches_the_model_in_order_within_budget(pool, model):
     assert all(h["max_row_tokens"] <= 256 for h in health)
 
 
+def test_top_k_and_candidates_through_the_pool_equal_one_worker(pool, model):
+    """Shares on two actors, merged: each sequence's top-k, tail and candidates (cut to its own list) as a
+    LogProbWorker gives them; the async path too."""
+    from ppo_logprobs.workers import LogProbWorker
+
+    seqs = random_sequences(12, seed=13, hi=90)
+    ids = [[3, 4], [5], *[[7, 8, 9]] * 10]
+    got = pool.compute_log_probs(seqs, 2, top_k=4, token_ids=ids)
+    want = LogProbWorker(model, max_tokens_per_batch=256).score(seqs, 2, top_k=4, token_ids=ids)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g.top_ids, w.top_ids), i
+        assert g.candidate_log_probs.shape == (len(seqs[i]) - 2, len(ids[i]))
+        for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+            np.testing.assert_allclose(getattr(g, name), getattr(w, name), rtol=0, atol=1e-5, err_msg=f"{name} {i}")
+    later = ray.get(pool.compute_log_probs_async(seqs[:2], 2, top_k=4, token_ids=ids[:2]))
+    assert [r.candidate_log_probs.shape[1] for r in later] == [2, 1] and later[0].top_ids.shape[1] == 4
+
+
 def test_async_returns_an_object_ref(pool, model):
     seqs = random_sequences(6, seed=11)
     ref = pool.compute_log_probs_async(seqs, return_entropy=False)
