@@ -8,6 +8,8 @@ sample of rows. Writes everything as JSON.
   python benchmarks/bench_head.py --out results.json            # the table of BENCHMARKS.md
   python benchmarks/bench_head.py --sweep --shapes 8192x4096x151936   # tile configurations of the kernels
   python benchmarks/bench_head.py --curve --out curve.json        # time and memory against N (for the plot)
+  python benchmarks/bench_head.py --top-k --out topk.json         # plain, top-k 1/20/64/256, 16 candidates
+  TRITON_INTERPRET=1 python benchmarks/bench_head.py --top-k --shapes 64x32x503   # a CPU dry run
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ SHAPES = [(4096, 4096, 128256), (8192, 4096, 151936), (32768, 4096, 151936)]
 SAMPLE_ROWS = 256
 
 
-def make_inputs(n: int, h: int, v: int, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    weight = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / math.sqrt(h))).bfloat16()  # logits ~ N(0, 4)
-    labels = torch.randint(0, v, (n,), device="cuda", generator=g)
+def make_inputs(n: int, h: int, v: int, seed: int = 0, device: str = "cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, h, device=device, generator=g).bfloat16()
+    weight = (torch.randn(v, h, device=device, generator=g) * (2.0 / math.sqrt(h))).bfloat16()  # logits ~ N(0, 4)
+    labels = torch.randint(0, v, (n,), device=device, generator=g)
     return hidden, weight, labels
 
 
@@ -197,6 +199,64 @@ def print_table(results):
               f"{r['extra_bytes'] / 2**20:10.1f} {errs}")
 
 
+def run_top_k(shapes, device: str) -> list[dict]:
+    """The Triton forward alone, then asked for the top k (1, 20, 64, 256) and for 16 candidate ids, each against
+    the same run's GEMM (hidden @ weight.T, the floor) and the plain forward; the top-k log-probs' and the plain
+    log-probs' largest error against float64 on sampled rows, and whether the ids are a stable sort's (ties to the
+    lower id); and the full-logits way (logits, log_softmax, torch.topk) as what a scorer without a fused head pays."""
+    cuda = device == "cuda"
+    timer = bench if cuda else (lambda fn: _cpu_ms(fn))
+    results = []
+    for n, h, v in shapes:
+        hidden, weight, labels = make_inputs(n, h, v, device=device)
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:SAMPLE_ROWS].to(device)
+        log_p = (hidden[rows].double() @ weight.double().T).log_softmax(-1)
+        order = torch.sort(log_p, dim=-1, descending=True, stable=True).indices
+        floor = timer(lambda: hidden @ weight.T)
+        candidates = torch.randint(0, v, (16,), generator=torch.Generator().manual_seed(2)).to(device)
+        plain_ms = timer(lambda: fused_log_probs(hidden, weight, labels, backend="triton"))
+        plain_err = float((fused_log_probs(hidden, weight, labels, backend="triton")[0][rows].double()
+                           - log_p.gather(-1, labels[rows, None])[:, 0]).abs().max())
+        base = dict(shape=f"{n}x{h}x{v}", floor_ms=floor, plain_ms=plain_ms, plain_err=plain_err)
+        results.append(dict(base, case="plain", ms=plain_ms, ratio=plain_ms / floor, vs_plain=1.0))
+        for k in (1, 20, 64, 256):
+            if k > v:
+                continue
+            fn = lambda k=k: fused_log_probs(hidden, weight, labels, backend="triton", top_k=k)  # noqa: E731
+            ms = timer(fn)
+            out = fn()
+            ids = order[:, :k]
+            err = float((out.top_log_probs[rows].double() - log_p.gather(-1, ids)).abs().max())
+            results.append(dict(base, case=f"top-{k}", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err,
+                                ids_equal=bool(torch.equal(out.top_ids[rows], ids))))
+        fn = lambda: fused_log_probs(hidden, weight, labels, backend="triton", token_ids=candidates)  # noqa: E731
+        ms = timer(fn)
+        err = float((fn().candidate_log_probs[rows].double() - log_p[:, candidates]).abs().max())
+        results.append(dict(base, case="16 candidates", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err))
+
+        def full_logits():
+            return torch.topk((hidden @ weight.T).float().log_softmax(-1), 20, dim=-1)
+
+        try:
+            ms = timer(full_logits)
+            results.append(dict(base, case="full logits + topk 20", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms))
+        except torch.OutOfMemoryError:
+            results.append(dict(base, case="full logits + topk 20", oom=True))
+        for r in results[-7:]:
+            print(f"{r['shape']:>20} {r['case']:>22} " + (f"{r['ms']:9.3f} ms {r['ratio']:6.3f}x GEMM "
+                  f"{r['vs_plain']:6.3f}x plain" if "ms" in r else "out of memory")
+                  + (f"  err {r['err']:.1e} (plain {r['plain_err']:.1e})" if "err" in r else "")
+                  + (f" ids {'=' if r['ids_equal'] else 'DIFFER'}" if "ids_equal" in r else ""), flush=True)
+    return results
+
+
+def _cpu_ms(fn) -> float:
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", help="NxHxV, default: the three of BENCHMARKS.md")
@@ -204,13 +264,17 @@ def main() -> None:
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="time tile configurations instead")
     parser.add_argument("--curve", action="store_true", help="time and memory against N, naive vs triton")
+    parser.add_argument("--top-k", action="store_true", help="top-k and candidates against plain (forward, Triton)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    props = torch.cuda.get_device_properties(0)
-    meta = dict(gpu=props.name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    cuda = torch.cuda.is_available()
+    meta = dict(gpu=torch.cuda.get_device_properties(0).name if cuda else None, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"))
     print(f"# {meta}", flush=True)
-    if args.sweep:
+    if args.top_k:
+        results = run_top_k(shapes if args.shapes else [(32768, 4096, 151936)], "cuda" if cuda else "cpu")
+    elif args.sweep:
         results = run_sweep(shapes)
     elif args.curve:
         results = run_curve()

@@ -103,7 +103,8 @@ def score(args: argparse.Namespace) -> None:
                 batch = rows[lo : lo + args.batch_sequences]
                 try:
                     results = client.score([r["input_ids"] for r in batch], [r["score_from"] for r in batch],
-                                           args.temperature, model=info.name, return_entropy=not args.no_entropy)
+                                           args.temperature, model=info.name, return_entropy=not args.no_entropy,
+                                           top_k=args.top_k)
                 except LogProbError as e:
                     lines = f"{batch[0]['line']}-{batch[-1]['line']}"
                     raise SystemExit(f"\n{args.input}:{lines}: the service refused these lines: {e}") from None
@@ -111,6 +112,9 @@ def score(args: argparse.Namespace) -> None:
                     line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
                     if r.entropy is not None:
                         line["entropy"] = r.entropy.tolist()
+                    if args.top_k:  # (a tail of -inf, no token outside the top k, as null)
+                        line.update(top_log_probs=r.top_log_probs.tolist(), top_ids=r.top_ids.tolist(),
+                                    tail_log_prob=[None if np.isneginf(x) else x for x in r.tail_log_prob.tolist()])
                     out.write(json.dumps(line) + "\n")
                 out.flush()
                 tokens += sum(len(r["input_ids"]) for r in batch)
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="served model name (default: the service's first)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-entropy", action="store_true")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="also each entry's K most likely tokens (top_log_probs, top_ids) and the tail's log-prob")
     p.add_argument("--batch-sequences", type=int, default=256, help="sequences per call (and per flush)")
 
     b = sub.add_parser("bench", help="throughput of a running service: random requests from concurrent clients",

@@ -61,11 +61,17 @@ def _per_sequence(value, n: int) -> list:
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value] * n
 
 
-def _bodies(input_ids, score_from, temperature, model, return_entropy, limit) -> list[dict]:
+def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, top_k=0, token_ids=None,
+            rollout_log_probs=None) -> list[dict]:
     n = len(input_ids)
     starts, temps = _per_sequence(score_from, n), _per_sequence(temperature, n)
     if len(starts) != n or len(temps) != n:
         raise ValueError(f"score_from and temperature need one value or {n} (one per sequence)")
+    per_sequence = token_ids is not None and len(token_ids) > 0 and isinstance(token_ids[0], (Sequence, np.ndarray))
+    if per_sequence and len(token_ids) != n:
+        raise ValueError(f"token_ids has {len(token_ids)} lists for {n} sequences (or give one list for all)")
+    if rollout_log_probs is not None and len(rollout_log_probs) != n:
+        raise ValueError(f"rollout_log_probs has {len(rollout_log_probs)} lists for {n} sequences")
     bodies = []
     for part in _chunks(input_ids, limit):
         body = {
@@ -76,6 +82,13 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit) ->
         }
         if model is not None:
             body["model"] = model
+        if top_k:
+            body["top_k"] = int(top_k)
+        if token_ids is not None:
+            body["token_ids"] = ([list(map(int, token_ids[i])) for i in part] if per_sequence
+                                 else list(map(int, token_ids)))
+        if rollout_log_probs is not None:
+            body["rollout_log_probs"] = [list(map(float, rollout_log_probs[i])) for i in part]
         bodies.append(body)
     return bodies
 
@@ -90,6 +103,10 @@ def _mixed_versions(answers: list[dict]) -> LogProbError:
                              f"{VERSION_ATTEMPTS} times; retry")
 
 
+_JSON_DTYPES = {"top_log_probs": np.float32, "top_ids": np.int32, "tail_log_prob": np.float32,
+                "candidate_log_probs": np.float32}
+
+
 def _results(responses: list[dict]) -> list[SequenceLogProbs]:
     out = []
     for resp in responses:
@@ -97,14 +114,26 @@ def _results(responses: list[dict]) -> list[SequenceLogProbs]:
             cuts = resp["offsets"][1:-1]
             lp = np.split(resp["log_probs"], cuts)
             ent = np.split(resp["entropy"], cuts) if resp["entropy"] is not None else [None] * len(lp)
-            out.extend(SequenceLogProbs(a, b, resp["weights_version"]) for a, b in zip(lp, ent, strict=True))
+            arrays = dict(resp.get("arrays", {}))
+            counts = arrays.pop("candidate_counts", None)
+            extras = {name: np.split(values, cuts) for name, values in arrays.items()}
+            if counts is not None:
+                extras["candidate_log_probs"] = [c[:, :k] for c, k in zip(extras["candidate_log_probs"], counts,
+                                                                          strict=True)]
+            stats = resp.get("mismatch")
+            out.extend(SequenceLogProbs(a, b, resp["weights_version"], **{k: v[i] for k, v in extras.items()},
+                                        mismatch={k: v[i] for k, v in stats.items()} if stats else None)
+                       for i, (a, b) in enumerate(zip(lp, ent, strict=True)))
             continue
         for r in resp["results"]:
             entropy = r.get("entropy")
+            extras = {name: np.asarray([-np.inf if x is None else x for x in r[name]] if name == "tail_log_prob"
+                                       else r[name], dtype=dtype)
+                      for name, dtype in _JSON_DTYPES.items() if r.get(name) is not None}
             out.append(SequenceLogProbs(
                 log_probs=np.asarray(r["log_probs"], dtype=np.float32),
                 entropy=np.asarray(entropy, dtype=np.float32) if entropy is not None else None,
-                weights_version=resp["weights_version"],
+                weights_version=resp["weights_version"], **extras, mismatch=r.get("mismatch"),
             ))
     return out
 
@@ -183,12 +212,19 @@ class LogProbClient(_Base):
 
     def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
               temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
-              return_entropy: bool = True) -> list[SequenceLogProbs]:
+              return_entropy: bool = True, top_k: int = 0,
+              token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+              rollout_log_probs: Sequence[Sequence[float]] | None = None) -> list[SequenceLogProbs]:
         """One SequenceLogProbs per sequence, in order (split into several requests when needed), all computed with
-        one weights_version: parts answered with older weights than another part are asked again."""
+        one weights_version: parts answered with older weights than another part are asked again. `top_k`: each
+        entry's k most likely tokens too ([entries, k] arrays, and the tail's log-probability); `token_ids`:
+        candidates (one list for all sequences, or one per sequence) whose log-probs each entry gives;
+        `rollout_log_probs`: the rollout engine's log-probs of the entries (one list per sequence), and each result's
+        `mismatch` says how far they are from ours."""
         if model not in self._limits:
             self._limits[model] = self._limit_from(self.models(), model)
-        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
+        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
+                         token_ids, rollout_log_probs)
         answers = [self._call("POST", "/logprobs", b) for b in bodies]
         for _ in range(VERSION_ATTEMPTS):
             for i in _stale_parts(answers):
@@ -253,10 +289,13 @@ class AsyncLogProbClient(_Base):
 
     async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
                     temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
-                    return_entropy: bool = True) -> list[SequenceLogProbs]:
+                    return_entropy: bool = True, top_k: int = 0,
+                    token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                    rollout_log_probs: Sequence[Sequence[float]] | None = None) -> list[SequenceLogProbs]:
         if model not in self._limits:
             self._limits[model] = self._limit_from(await self.models(), model)
-        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model])
+        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
+                         token_ids, rollout_log_probs)
         answers = list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies)))
         for _ in range(VERSION_ATTEMPTS):
             stale = _stale_parts(answers)
@@ -301,14 +340,19 @@ def connect_pool(model: str = "policy", *, service: str = "ppo_logprobs", addres
 
     if not ray.is_initialized():
         _join_loopback_ray(address)
+        if address != "auto":  # Ray sends this machine's token only to a Ray it found itself: do the same here
+            from ray._private.authentication.authentication_token_setup import (
+                maybe_enable_token_auth_if_token_available,
+            )
+
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         try:
             ray.init(address=address)
         except ConnectionError as e:
-            if address == "auto" or "RAY_AUTH_MODE" in os.environ:
+            if address == "auto" or os.environ.get("RAY_AUTH_MODE") == "token":
                 raise
-            # Ray sends this machine's token only to a Ray it found itself ("auto"), never to an address given
-            raise ConnectionError(f"{e}. If the cluster uses token authentication, set RAY_AUTH_MODE=token (the "
-                                  f"token in ~/.ray/auth_token or RAY_AUTH_TOKEN), or pass address='auto'") from e
+            raise ConnectionError(f"{e}. If the cluster uses token authentication, give this machine its token "
+                                  "(~/.ray/auth_token, or RAY_AUTH_TOKEN) and set RAY_AUTH_MODE=token") from e
     return WorkerPool.connect(f"{service}:{model}")
 
 

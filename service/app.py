@@ -48,6 +48,15 @@ class GatewayMetrics:
             "ppo_logprobs_latency_seconds", "time from queueing to results, by model", model,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=self.registry,
         )
+        self.mismatch = {  # per sequence scored with rollout log-probs
+            "kl_k3": Histogram("ppo_logprobs_mismatch_kl", "k3 estimate of KL(rollout || ours) per sequence, by model",
+                               model, buckets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1), registry=self.registry),
+            "max_abs": Histogram("ppo_logprobs_mismatch_max_abs", "largest |ours - rollout| log-prob per sequence, by "
+                                 "model", model, buckets=(1e-4, 1e-3, 1e-2, 0.1, 0.5, 1, 5), registry=self.registry),
+            "outside": Histogram("ppo_logprobs_mismatch_outside", "share of a sequence's tokens whose ratio is outside "
+                                 "the ratio bounds, by model", model, buckets=(0, 0.001, 0.01, 0.05, 0.1, 0.25, 1),
+                                 registry=self.registry),
+        }
         self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", model, registry=self.registry)
         self.calls = Gauge("ppo_logprobs_worker_calls", "worker calls started, by model", model,
                            registry=self.registry)
@@ -60,6 +69,12 @@ class GatewayMetrics:
         self.tokens.labels(model=model, replica=self.replica).inc(tokens)
         self.shared.labels(model=model, replica=self.replica).inc(max(shared, 0))
         self.latency.labels(model=model, replica=self.replica).observe(seconds)
+
+    def observe_mismatch(self, model: str, stats: dict) -> None:
+        for name, histogram in self.mismatch.items():
+            series = histogram.labels(model=model, replica=self.replica)
+            for value in stats[name]:
+                series.observe(float(value))
 
     def sample(self, models: dict[str, ServedModel]) -> None:
         for name, m in models.items():
@@ -83,6 +98,7 @@ class Gateway:
         self.settings = settings
         self.replica = replica
         self.metrics = GatewayMetrics(replica)
+        self._tokenizer = None
         self.models: dict[str, ServedModel] = {}
         for name, pool in pools.items():
             batcher = Batcher(
@@ -95,6 +111,16 @@ class Gateway:
 
     def health(self) -> dict[str, list[dict]]:
         return {name: m.pool.health(timeout=10) for name, m in self.models.items()}
+
+    def tokenizer(self):
+        """The tokenizer of settings.tokenizer (loaded once, from local files), or None."""
+        if self.settings.tokenizer is None:
+            return None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer, local_files_only=True)
+        return self._tokenizer
 
 
 class _Count:

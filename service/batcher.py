@@ -97,13 +97,17 @@ class Batcher:
             self._spawn(self._call(batch))
 
     def _take(self) -> list[tuple[_Waiting, int, int]]:
-        """Up to batch_tokens tokens from the waiting requests in turn (at least one sequence)."""
-        batch, room = [], self.batch_tokens
+        """Up to batch_tokens tokens from the waiting requests in turn (at least one sequence), all asking for one
+        top_k (a tail's mass depends on its k); the others keep their places at the head of the line."""
+        batch, room, skipped = [], self.batch_tokens, []
         for _ in range(len(self.waiting)):
             if room <= 0:
                 break
             item = self.waiting.popleft()
             if item.future.done():  # its client went away
+                continue
+            if batch and item.request.top_k != batch[0][0].request.top_k:
+                skipped.append(item)
                 continue
             offsets = item.request.offsets
             while item.todo and room > 0:
@@ -126,6 +130,7 @@ class Batcher:
                     break
             if item.todo:
                 self.waiting.append(item)  # to the back of the line
+        self.waiting.extendleft(reversed(skipped))
         return batch
 
     async def _call(self, batch: list[tuple[_Waiting, int, int]]) -> None:
@@ -144,7 +149,7 @@ class Batcher:
                 self.batched_tokens += int(joined.offsets[-1])
                 start = 0
                 for item, lo, hi in batch:
-                    item.parts.append((lo, hi, result.span(start, start + hi - lo)))
+                    item.parts.append((lo, hi, result.span(start, start + hi - lo).fit(item.request)))
                     start += hi - lo
                     self._finish(item)
                 return

@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
+from ppo_logprobs.workers.request import MAX_TOKEN_IDS, MAX_TOP_K, RATIO_BOUNDS
 
 
 class Settings(BaseSettings):
@@ -39,6 +40,12 @@ class Settings(BaseSettings):
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
                                           "sharing at least this many first tokens compute them once (None: never)")
+    max_top_k: int = Field(MAX_TOP_K, ge=0, le=MAX_TOP_K, description="the largest top_k a request may ask for")
+    max_token_ids: int = Field(MAX_TOKEN_IDS, ge=0, description="candidate ids in one list of a request's token_ids")
+    ratio_bounds: tuple[float, float] = Field(RATIO_BOUNDS, description="a token whose ratio exp(ours - rollout) "
+                                              "lies outside counts in a result's mismatch share (rollout_log_probs)")
+    tokenizer: str | None = Field(None, description="a tokenizer directory: /v1/completions then takes text prompts "
+                                  "and answers token strings (else token ids, written as text)")
     max_body_bytes: int | None = Field(
         None, ge=1024, description="request body limit, checked before parsing; default: 16 bytes a token + 1 MiB"
     )

@@ -14,9 +14,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import generate_latest
 
 from ppo_logprobs.workers.errors import TooLarge
-from ppo_logprobs.workers.request import ScoreRequest
+from ppo_logprobs.workers.request import ScoreRequest, mismatch, rollout_values
 from ppo_logprobs.workers.wire import BINARY, encode_binary, encode_json
 
+from .completions import CompletionRequest, answer, prompts_of, scoring_inputs
 from .errors import NonFiniteResults, one_line, to_response
 from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest
 
@@ -140,8 +141,12 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
         scores = await off_loop(
             inline, ScoreRequest.build, parsed.input_ids, parsed.score_from, parsed.temperature,
             parsed.return_entropy, vocab_size=model.vocab_size, max_length=settings.max_tokens_per_batch,
-            max_tokens=settings.max_request_tokens,
+            max_tokens=settings.max_request_tokens, top_k=parsed.top_k, token_ids=parsed.token_ids,
+            max_top_k=settings.max_top_k, max_token_ids=settings.max_token_ids,
         )
+        rollout = None
+        if parsed.rollout_log_probs is not None:
+            rollout = await off_loop(inline, rollout_values, parsed.rollout_log_probs, scores)
         start = time.perf_counter()
         result, waited = await model.batcher.submit(scores)
         if not result.all_finite():
@@ -152,12 +157,43 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
         header = {"model": name, "weights_version": result.weights_version,
                   "usage": {"sequences": len(scores), "tokens": tokens, "scored_tokens": int(result.offsets[-1]),
                             "computed_tokens": computed}}
+        if rollout is not None:
+            stats = mismatch(result.log_probs, rollout, result.offsets, tuple(settings.ratio_bounds))
+            gw.metrics.observe_mismatch(name, stats)
+            header["mismatch"] = {key: values.tolist() for key, values in stats.items()}
         binary = wants_binary(request.headers.get("accept", ""))
         encode = encode_binary if binary else encode_json
         entropy = result.entropy if parsed.return_entropy else None
-        content = await off_loop(inline, encode, header, result.log_probs, entropy, result.offsets)
+        content = await off_loop(inline, encode, header, result.log_probs, entropy, result.offsets, result.extras(),
+                                 scores.candidate_counts())
         return Response(content, media_type=BINARY if binary else "application/json",
                         headers={"X-Calls-Waited": str(waited)})
+    except Exception as e:
+        return to_response(e)
+
+
+@router.post("/v1/completions", dependencies=Authorized)
+async def completions(request: Request, gw: GatewayDep) -> Response:
+    """Scoring in the shape of OpenAI's and vLLM's completions (service/completions.py): prompts as token ids (or
+    text, with --tokenizer), echo with logprobs: k, prompt_logprobs: k, max_tokens 0 or 1 (the most likely next
+    token); anything else it cannot do is a 400 that says so."""
+    try:
+        settings = gw.settings
+        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+        parsed = await off_loop(len(body) <= _INLINE_BYTES, CompletionRequest.model_validate_json, body)
+        name, model = served(gw, parsed.model)
+        prompts = await asyncio.to_thread(prompts_of, parsed, gw.tokenizer())
+        seqs, temperature, k = scoring_inputs(prompts, parsed)
+        scores = await asyncio.to_thread(
+            ScoreRequest.build, seqs, 1, temperature, False, vocab_size=model.vocab_size,
+            max_length=settings.max_tokens_per_batch, max_tokens=settings.max_request_tokens, top_k=k,
+            max_top_k=settings.max_top_k)
+        start = time.perf_counter()
+        result, _ = await model.batcher.submit(scores)
+        tokens = int(scores.offsets[-1])
+        gw.metrics.observe(name, tokens, time.perf_counter() - start,
+                           shared=tokens - result.computed_tokens(scores.lengths))
+        return JSONResponse(await asyncio.to_thread(answer, name, prompts, parsed, result, gw.tokenizer()))
     except Exception as e:
         return to_response(e)
 

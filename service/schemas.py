@@ -19,11 +19,27 @@ class LogProbsRequest(BaseModel):
         1.0, description="divides the logits; one value or one per sequence, each in [0.01, 100]"
     )
     return_entropy: StrictBool = True
+    top_k: StrictInt = Field(0, description="also each entry's k most likely tokens (log-probs, ids) and the "
+                             "log-probability of all the others (the tail); at most the service's max_top_k")
+    token_ids: list[StrictInt] | list[list[StrictInt]] | None = Field(
+        None, description="candidate ids whose log-probs each entry gives: one list for every sequence, or one per "
+        "sequence (yes/no judges, constrained choices)")
+    rollout_log_probs: list[list[StrictFloat | StrictInt]] | None = Field(
+        None, description="the rollout engine's log-probs of the scored tokens, one list per sequence (its entries); "
+        "each result then says how far they are from ours (mismatch)")
 
 
 class SequenceResult(BaseModel):
     log_probs: list[float]
     entropy: list[float] | None = None
+    top_log_probs: list[list[float]] | None = Field(None, description="[entries, k], most likely first")
+    top_ids: list[list[int]] | None = Field(None, description="[entries, k]; ties to the lower id")
+    tail_log_prob: list[float | None] | None = Field(None, description="every token outside the top k (null: none)")
+    candidate_log_probs: list[list[float]] | None = Field(None, description="[entries, len(token_ids)]")
+    mismatch: dict[str, float] | None = Field(
+        None, description="given rollout_log_probs: mean_abs and max_abs of ours - rollout, kl_k3 (the k3 estimate of "
+        "KL(rollout || ours)) and outside (the share of tokens whose ratio exp(ours - rollout) lies outside the "
+        "service's ratio_bounds)")
 
 
 class Usage(BaseModel):

@@ -8,7 +8,7 @@ workers. Nothing on the way costs Python work per token; per-sequence work is ve
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -253,6 +253,68 @@ def ragged_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - counts), counts)
 
 
+RATIO_BOUNDS = (0.8, 1.25)  # a token's ratio exp(ours - rollout) outside these counts as a mismatch
+
+
+def with_mismatch(sequences: list[SequenceScores], stats: dict[str, np.ndarray]) -> list[SequenceScores]:
+    """Each sequence's result with its mismatch statistics (from `mismatch`) attached."""
+    for i, seq in enumerate(sequences):
+        seq.mismatch = {name: float(values[i]) for name, values in stats.items()}
+    return sequences
+
+
+def rollout_values(rollout_log_probs, request: ScoreRequest) -> np.ndarray:
+    """A rollout engine's log-probs of the scored tokens (one list per sequence, its entries' positions) as one
+    flat float64 array aligned with the results; RequestError naming the sequence, and the entry, that is not one
+    finite log-probability (a number <= 0) or a list that does not have the sequence's entries."""
+    n, scored = len(request), request.scored
+    if not isinstance(rollout_log_probs, (Sequence, np.ndarray)) or isinstance(rollout_log_probs, str):
+        raise RequestError("rollout_log_probs must be one list of log-probs per sequence")
+    if len(rollout_log_probs) != n:
+        raise RequestError(f"rollout_log_probs has {len(rollout_log_probs)} lists for {n} sequences")
+    parts = []
+    for i, values in enumerate(rollout_log_probs):
+        listed = isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, str)
+        if not listed or len(values) != scored[i]:
+            got = f"{len(values)} entries" if listed else _value(values)
+            raise RequestError(f"rollout_log_probs[{i}] has {got}; sequence {i} has {scored[i]} scored tokens "
+                               f"(len(input_ids[{i}]) - score_from[{i}])")
+        if _has_bools(list(values)) or any(not isinstance(x, (int, float, np.integer, np.floating)) for x in values):
+            j = next(j for j, x in enumerate(values) if isinstance(x, (bool, np.bool_))
+                     or not isinstance(x, (int, float, np.integer, np.floating)))
+            raise RequestError(f"rollout_log_probs[{i}][{j}] = {_value(values[j])} must be a number")
+        array = np.asarray(values, dtype=np.float64)
+        if (bad := np.flatnonzero(~np.isfinite(array) | (array > 0))).size:
+            j = int(bad[0])
+            raise RequestError(f"rollout_log_probs[{i}][{j}] = {array[j].item()!r} must be a finite log-probability "
+                               "(<= 0)")
+        parts.append(array)
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def mismatch(ours: np.ndarray, rollout: np.ndarray, offsets: np.ndarray,
+             bounds: tuple[float, float] = RATIO_BOUNDS) -> dict[str, np.ndarray]:
+    """Per sequence (entries [offsets[i], offsets[i + 1])), how far the rollout engine's log-probs are from ours:
+    mean and max |ours - rollout|, the k3 estimate of KL(rollout || ours) (the mean of exp(d) - 1 - d, d = ours -
+    rollout, over tokens the rollout sampled), and the share of tokens whose ratio exp(d) lies outside `bounds`.
+    A sequence without entries gets zeros. Each float64 [n]."""
+    d = ours.astype(np.float64) - rollout
+    counts = np.diff(offsets)
+    some = counts > 0
+
+    def mean(x: np.ndarray) -> np.ndarray:
+        sums = np.zeros(len(counts))
+        sums[some] = np.add.reduceat(x, offsets[:-1][some])  # (each run ends where the next non-empty one starts)
+        return sums / np.maximum(counts, 1)
+
+    largest = np.zeros(len(counts))
+    if some.any():
+        largest[some] = np.maximum.reduceat(np.abs(d), offsets[:-1][some])
+    ratio = np.exp(d)
+    return {"mean_abs": mean(np.abs(d)), "max_abs": largest, "kl_k3": mean(np.expm1(d) - d),
+            "outside": mean(((ratio < bounds[0]) | (ratio > bounds[1])) * 1.0)}
+
+
 VERSION_ATTEMPTS = 3  # how often a call made of parts asks again those answered with older weights than the newest
 
 
@@ -275,6 +337,9 @@ class SequenceScores:
     top_ids: np.ndarray | None = None  # int32 [entries, k]
     tail_log_prob: np.ndarray | None = None  # float32 [entries]: every token outside the top k
     candidate_log_probs: np.ndarray | None = None  # float32 [entries, C] (token_ids asked)
+    # how far a rollout engine's log-probs of these tokens are from these (given rollout_log_probs): mean_abs,
+    # max_abs, kl_k3, outside (see `mismatch`)
+    mismatch: dict[str, float] | None = None
 
 
 EXTRAS = ("top_log_probs", "top_ids", "tail_log_prob", "candidate_log_probs")  # per entry, beside log_probs
@@ -358,6 +423,14 @@ class ScoreResult:
             for index, part in parts:
                 computed[index] = part.computed
         return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, **extras)
+
+    def fit(self, request: ScoreRequest) -> ScoreResult:
+        """This result (of a call `request` was joined into) as `request` asked for it: candidates cut to the width
+        of its own lists, or none."""
+        if self.candidate_log_probs is None:
+            return self
+        width = 0 if request.token_ids is None else request.token_ids.shape[1]
+        return replace(self, candidate_log_probs=self.candidate_log_probs[:, :width] if width else None)
 
     def all_finite(self) -> bool:
         return bool(np.isfinite(self.log_probs).all() and (self.entropy is None or np.isfinite(self.entropy).all()))

@@ -2,10 +2,12 @@
 float32) or, when the client's Accept header names BINARY, a compact binary body read back bitwise.
 
 BINARY body: a little-endian uint32 n, n bytes of JSON header {"model", "weights_version", "usage", "sequences",
-"entropy": bool}, then int64 offsets [sequences + 1], float32 log_probs [offsets[-1]], and float32 entropy of the
-same length when the header says so. Sequence i's values are [offsets[i], offsets[i + 1]). About 4 bytes per scored
-token per array, against about 10-11 as JSON text. Also what a served model is (ModelInfo). Part of the contract
-between the gateway and its clients: imports numpy, orjson and pydantic only.
+"entropy": bool, "extras": {name: width}}, then int64 offsets [sequences + 1], float32 log_probs [offsets[-1]],
+float32 entropy of the same length when the header says so, then each extra it names, in EXTRA_DTYPES' order,
+[offsets[-1], width] (or [offsets[-1]] for width 0), and after candidate_log_probs, int64 candidate counts
+[sequences] (how many of the columns each sequence asked for). Sequence i's values are [offsets[i], offsets[i + 1]).
+About 4 bytes per scored token per array, against about 10-11 as JSON text. Also what a served model is
+(ModelInfo). Part of the contract between the gateway and its clients: imports numpy, orjson and pydantic only.
 """
 
 from __future__ import annotations
@@ -18,29 +20,54 @@ import orjson
 from pydantic import BaseModel, Field
 
 BINARY = "application/x-ppo-logprobs"
+# per-entry arrays beyond log_probs and entropy, in the order a BINARY body holds them, and their dtypes
+EXTRA_DTYPES = {"top_log_probs": "<f4", "top_ids": "<i4", "tail_log_prob": "<f4", "candidate_log_probs": "<f4"}
 
 
-def encode_json(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None, offsets: np.ndarray) -> bytes:
-    """{**header, "results": [{"log_probs": [...], "entropy": [...]}, ...]} with float32 values."""
+def encode_json(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None, offsets: np.ndarray,
+                extras: dict[str, np.ndarray] | None = None, candidates: np.ndarray | None = None) -> bytes:
+    """{**header, "results": [{"log_probs": [...], "entropy": [...], ...extras}, ...]} with float32 values; each
+    extra per entry (a list per entry where it has a width), candidates cut to each sequence's count. A header's
+    per-sequence "mismatch" ({name: [value per sequence]}) goes into each result as {name: value}."""
     cuts = offsets[1:-1]
-    lp = np.split(log_probs, cuts)
-    if entropy is None:
-        results = [{"log_probs": a} for a in lp]
-    else:
-        results = [{"log_probs": a, "entropy": b} for a, b in zip(lp, np.split(entropy, cuts), strict=True)]
+    results = [{"log_probs": a} for a in np.split(log_probs, cuts)]
+    if "mismatch" in header:
+        header = dict(header)
+        stats = header.pop("mismatch")
+        for i, result in enumerate(results):
+            result["mismatch"] = {name: values[i] for name, values in stats.items()}
+    columns = {} if entropy is None else {"entropy": entropy}
+    columns.update(extras or {})
+    for name, values in columns.items():
+        for result, part in zip(results, np.split(values, cuts), strict=True):
+            result[name] = part
+    if candidates is not None and "candidate_log_probs" in columns:
+        for result, count in zip(results, candidates, strict=True):
+            result["candidate_log_probs"] = np.ascontiguousarray(result["candidate_log_probs"][:, :count])
     return orjson.dumps({**header, "results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def encode_binary(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None, offsets: np.ndarray) -> bytes:
-    head = orjson.dumps({**header, "sequences": len(offsets) - 1, "entropy": entropy is not None})
+def encode_binary(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None, offsets: np.ndarray,
+                  extras: dict[str, np.ndarray] | None = None, candidates: np.ndarray | None = None) -> bytes:
+    extras = extras or {}
+    widths = {name: (values.shape[1] if values.ndim == 2 else 0) for name, values in extras.items()}
+    head = orjson.dumps({**header, "sequences": len(offsets) - 1, "entropy": entropy is not None,
+                         "extras": widths})
     parts = [struct.pack("<I", len(head)), head, offsets.astype("<i8").tobytes(), log_probs.astype("<f4").tobytes()]
     if entropy is not None:
         parts.append(entropy.astype("<f4").tobytes())
+    for name in EXTRA_DTYPES:
+        if name in extras:
+            parts.append(np.ascontiguousarray(extras[name], dtype=EXTRA_DTYPES[name]).tobytes())
+    if "candidate_log_probs" in extras:
+        counts = candidates if candidates is not None else np.full(len(offsets) - 1, widths["candidate_log_probs"])
+        parts.append(np.asarray(counts, dtype="<i8").tobytes())
     return b"".join(parts)
 
 
 def decode_binary(body: bytes) -> tuple[dict, np.ndarray, np.ndarray | None, np.ndarray]:
-    """(header, log_probs, entropy or None, offsets) of a BINARY body; ValueError if it is malformed."""
+    """(header, log_probs, entropy or None, offsets) of a BINARY body; ValueError if it is malformed. The extras
+    the header names are in header["arrays"] (by name; candidate counts per sequence as "candidate_counts")."""
     try:
         (n,) = struct.unpack_from("<I", body)
         header = json.loads(body[4 : 4 + n])
@@ -50,7 +77,24 @@ def decode_binary(body: bytes) -> tuple[dict, np.ndarray, np.ndarray | None, np.
         at += 8 * count
         total = int(offsets[-1])
         log_probs = np.frombuffer(body, dtype="<f4", count=total, offset=at)
-        entropy = np.frombuffer(body, dtype="<f4", count=total, offset=at + 4 * total) if header["entropy"] else None
+        at += 4 * total
+        entropy = None
+        if header["entropy"]:
+            entropy = np.frombuffer(body, dtype="<f4", count=total, offset=at)
+            at += 4 * total
+        arrays = {}
+        for name, dtype in EXTRA_DTYPES.items():
+            if name in header.get("extras", {}):
+                width = int(header["extras"][name])
+                values = np.frombuffer(body, dtype=dtype, count=total * max(width, 1), offset=at)
+                arrays[name] = values.reshape(total, width) if width else values
+                at += values.nbytes
+        if "candidate_log_probs" in arrays:
+            arrays["candidate_counts"] = np.frombuffer(body, dtype="<i8", count=header["sequences"], offset=at)
+            at += 8 * header["sequences"]
+        if at != len(body):
+            raise ValueError(f"{len(body) - at} bytes past the arrays the header names")
+        header["arrays"] = arrays
     except (struct.error, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed {BINARY} body: {e}") from None
     return header, log_probs, entropy, offsets

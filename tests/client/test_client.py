@@ -80,6 +80,48 @@ def test_async_client(url, tiny):
     assert_equal_to_model(asyncio.run(run()), seqs, tiny)
 
 
+def test_top_k_and_candidates_split_across_requests_in_both_formats(url, tiny):
+    """A batch over the server's per-request limit, asking for top_k and per-sequence candidates: numpy arrays
+    [entries, k] and [entries, len(list)] in order, the same from BINARY and JSON, as one worker gives them; the
+    async client alike; and the command line's --top-k."""
+    from ppo_logprobs.workers import LogProbWorker
+
+    seqs = random_sequences(24, seed=33, lo=60, hi=200)  # over 3000 tokens: several requests
+    ids = [list(range(i % 4 + 1)) for i in range(24)]
+    want = LogProbWorker(tiny).score(seqs, 3, top_k=4, token_ids=ids)
+    with LogProbClient(url) as binary, LogProbClient(url, binary=False) as text:
+        got, as_text = binary.score(seqs, 3, top_k=4, token_ids=ids), text.score(seqs, 3, top_k=4, token_ids=ids)
+    for i, (g, t, w) in enumerate(zip(got, as_text, want, strict=True)):
+        assert g.top_ids.dtype == np.int32 and g.top_ids.shape == (len(seqs[i]) - 3, 4)
+        assert g.candidate_log_probs.shape == (len(seqs[i]) - 3, len(ids[i]))
+        for name in ("top_log_probs", "top_ids", "tail_log_prob", "candidate_log_probs"):
+            assert np.array_equal(getattr(g, name), getattr(t, name)), (name, i)
+            np.testing.assert_allclose(getattr(g, name), getattr(w, name), rtol=0, atol=1e-5, err_msg=f"{name} {i}")
+
+    async def run():
+        async with AsyncLogProbClient(url, max_request_tokens=700) as client:
+            return await client.score(seqs[:5], 3, top_k=2, token_ids=[9, 8])
+
+    for g, w in zip(asyncio.run(run()), LogProbWorker(tiny).score(seqs[:5], 3, top_k=2, token_ids=[9, 8]),
+                    strict=True):
+        assert np.array_equal(g.top_ids, w.top_ids) and g.candidate_log_probs.shape[1] == 2
+
+
+def test_score_command_writes_the_top_k(url, tiny, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    seqs = random_sequences(3, seed=34, lo=5, hi=30)
+    src.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in seqs))
+    done = subprocess.run(CLI + ["score", str(src), "-o", str(out), "--url", url, "--top-k", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    from ppo_logprobs.workers import LogProbWorker
+
+    for line, w in zip(out.read_text().splitlines(), LogProbWorker(tiny).score(seqs, top_k=3), strict=True):
+        row = json.loads(line)
+        assert np.array_equal(np.array(row["top_ids"]), w.top_ids)
+        np.testing.assert_allclose(np.array(row["top_log_probs"], np.float32), w.top_log_probs, rtol=0, atol=1e-5)
+
+
 def test_api_key_and_status_endpoints(url, tiny):
     seqs = random_sequences(2, seed=35)
     with LogProbClient(url + "/guarded") as anonymous:

@@ -26,7 +26,20 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def tokenizer_dir(tmp_path_factory):
+    """A word-level tokenizer of the tiny model's 503 ids ("t0" .. "t502"), saved as transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(503)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tokenizer_dir):
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
                     pool_name="gw-main",
                     max_tokens_per_batch=512)
@@ -36,7 +49,8 @@ def server(checkpoint):
                      pool_name="gw-small", ingress_replicas=1)  # (one replica: its /metrics shows its queue)
     big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
                    pool_name="gw-big")
-    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big")
+    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big",
+                    max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir)
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 
@@ -282,6 +296,135 @@ def test_bodies_over_the_limit_are_refused_before_parsing(server):
 
     r = httpx.post(server + "/logprobs", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and f"the request body is over {limit} bytes" in r.json()["detail"]
+
+
+def test_top_k_and_candidates_over_http_in_both_formats(server, checkpoint):
+    """top_k and token_ids (one list per sequence, of several lengths) through the batcher, joined with a plain
+    request in flight: JSON values as one worker gives them, BINARY the same bits; limits are the service's
+    settings, and what exceeds them is a 422 naming the field."""
+    from ppo_logprobs.workers import LogProbWorker
+    from ppo_logprobs.workers.wire import BINARY, decode_binary
+
+    seqs = random_sequences(6, seed=511, hi=80)
+    ids = [[1, 2], [3], [4, 5, 6], [7], [8, 9], [10]]
+    body = {"model": "reference", "input_ids": seqs, "score_from": 2, "top_k": 5, "token_ids": ids}
+    want = LogProbWorker(checkpoint[1]).score(seqs, 2, top_k=5, token_ids=ids)  # ("policy" may have been reloaded)
+
+    async def both():
+        async with httpx.AsyncClient(base_url=server, timeout=120) as client:
+            return await asyncio.gather(client.post("/logprobs", json=body),
+                                        client.post("/logprobs", json={"model": "reference", "input_ids": seqs}))
+    r, plain = asyncio.run(both())
+    assert r.status_code == plain.status_code == 200, r.text
+    assert all("top_ids" not in res or res["top_ids"] is None for res in plain.json()["results"])
+    results = r.json()["results"]
+    for i, (res, w) in enumerate(zip(results, want, strict=True)):
+        assert np.array_equal(np.array(res["top_ids"]), w.top_ids), i
+        for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+            np.testing.assert_allclose(np.array(res[name], dtype=np.float32), getattr(w, name), rtol=0, atol=1e-5)
+        assert np.array(res["candidate_log_probs"]).shape == (len(seqs[i]) - 2, len(ids[i]))
+    binary = post(server, body, headers={"Accept": BINARY})
+    header, _, _, offsets = decode_binary(binary.content)
+    arrays = header["arrays"]
+    for i, res in enumerate(results):
+        span = slice(offsets[i], offsets[i + 1])
+        assert np.array_equal(arrays["top_ids"][span], np.array(res["top_ids"]))
+        got = arrays["candidate_log_probs"][span, : arrays["candidate_counts"][i]]
+        assert np.array_equal(got.view(np.uint32), np.array(res["candidate_log_probs"], np.float32).view(np.uint32))
+    for extra, message in (({"top_k": 5}, "top_k = 5 must be an integer in [0, 4]"),
+                           ({"token_ids": [1, 2, 3, 4]}, "token_ids has 4 ids; the limit is 3"),
+                           ({"token_ids": [[1], [503]]}, "token_ids[1][0] = 503 is outside the vocabulary [0, 503)"),
+                           ({"token_ids": [[1]]}, "token_ids has 1 lists for 2 sequences")):
+        r = post(server, {"input_ids": seqs[:2], **extra}, "/slow/logprobs")
+        assert r.status_code == 422 and message in r.json()["detail"], (extra, r.text)
+
+
+def test_rollout_log_probs_give_each_result_its_mismatch_and_the_metrics_histograms(server):
+    """A rollout engine's log-probs beside the sequences: each result says how far they are from ours (the same
+    numbers as computed here from the answer's log-probs, ratio bounds from the settings), JSON and BINARY alike, and
+    /metrics counts them per model; a request without them has none; a wrong list is a 422 naming it."""
+    from ppo_logprobs.workers.request import mismatch
+    from ppo_logprobs.workers.wire import BINARY, decode_binary
+
+    seqs = random_sequences(5, seed=521, lo=4, hi=40)
+    rng = np.random.default_rng(5)
+    ours = [np.array(res["log_probs"], np.float32) for res in post(server, {"input_ids": seqs}).json()["results"]]
+    rollout = [(lp + rng.normal(0, 0.2, lp.size) * (i % 2)).clip(max=0).tolist() for i, lp in enumerate(ours)]
+    r = post(server, {"input_ids": seqs, "rollout_log_probs": rollout})
+    assert r.status_code == 200, r.text
+    offsets = np.concatenate([[0], np.cumsum([lp.size for lp in ours])])
+    want = mismatch(np.concatenate(ours), np.concatenate(rollout), offsets, (0.8, 1.25))
+    for i, res in enumerate(r.json()["results"]):
+        for name, values in want.items():
+            assert res["mismatch"][name] == pytest.approx(values[i], rel=1e-9, abs=1e-12), (name, i)
+    assert r.json()["results"][0]["mismatch"]["max_abs"] <= 1e-5  # (sequence 0 got our own values back)
+    header = decode_binary(post(server, {"input_ids": seqs, "rollout_log_probs": rollout},
+                                headers={"Accept": BINARY}).content)[0]
+    assert header["mismatch"]["kl_k3"] == [res["mismatch"]["kl_k3"] for res in r.json()["results"]]
+    assert "mismatch" not in post(server, {"input_ids": seqs}).json()["results"][0]
+    metrics = httpx.get(server + "/metrics").text
+    assert 'ppo_logprobs_mismatch_kl_count{model="policy"' in metrics
+    bad = post(server, {"input_ids": seqs[:2], "rollout_log_probs": [rollout[0], rollout[0]]})
+    assert bad.status_code == 422 and "rollout_log_probs[1] has" in bad.json()["detail"]
+
+
+def test_completions_with_echo_logprobs_and_prompt_logprobs_are_the_scores(server):
+    """/v1/completions as OpenAI's and vLLM's clients read it: echo with logprobs: k (the first token None, then
+    each prompt token's log-prob and its top k), prompt_logprobs: k ({id: {logprob, rank, decoded_token}}, the
+    actual token always there), max_tokens 0; the values are /logprobs' for the same sequences."""
+    prompts = random_sequences(2, seed=531, lo=6, hi=30)
+    r = post(server, {"prompt": prompts, "echo": True, "logprobs": 3, "prompt_logprobs": 2, "max_tokens": 0},
+             "/v1/completions")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "policy"
+    assert body["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
+                             "total_tokens": sum(map(len, prompts))}
+    scores = post(server, {"input_ids": prompts, "top_k": 3}).json()["results"]
+    for choice, prompt, want in zip(body["choices"], prompts, scores, strict=True):
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [str(t) for t in prompt] and choice["text"] == " ".join(map(str, prompt))
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        np.testing.assert_allclose(lp["token_logprobs"][1:], want["log_probs"], rtol=0, atol=1e-5)
+        assert [list(map(int, top)) for top in lp["top_logprobs"][1:]] == want["top_ids"]
+        assert lp["text_offset"][:2] == [0, len(str(prompt[0])) + 1]
+        listed = choice["prompt_logprobs"]
+        assert listed[0] is None and len(listed) == len(prompt)
+        for k, entry in enumerate(listed[1:]):
+            actual = entry[str(prompt[k + 1])]
+            assert actual["logprob"] == pytest.approx(want["log_probs"][k], abs=1e-5)
+            ranked = [e for e in entry.values() if e["rank"] is not None]
+            assert [e["rank"] for e in ranked] == [1, 2] and ranked[0]["decoded_token"] == str(want["top_ids"][k][0])
+            assert actual["rank"] in (1, 2) if prompt[k + 1] in want["top_ids"][k][:2] else actual["rank"] is None
+
+
+def test_completions_give_the_most_likely_next_token_and_refuse_what_they_cannot_do(server, tokenizer_dir):
+    prompts = random_sequences(3, seed=532, lo=4, hi=20)
+    r = post(server, {"prompt": prompts, "max_tokens": 1, "logprobs": 2, "temperature": 0, "return_token_ids": True},
+             "/v1/completions")
+    assert r.status_code == 200, r.text
+    nexts = post(server, {"input_ids": [p + [0] for p in prompts], "top_k": 2}).json()["results"]
+    for choice, prompt, want in zip(r.json()["choices"], prompts, nexts, strict=True):
+        assert choice["token_ids"] == [want["top_ids"][-1][0]] and choice["prompt_token_ids"] == prompt
+        assert choice["text"] == str(want["top_ids"][-1][0]) and choice["finish_reason"] == "length"
+        assert choice["logprobs"]["token_logprobs"] == [pytest.approx(want["top_log_probs"][-1][0], abs=1e-5)]
+        assert list(choice["logprobs"]["top_logprobs"][0]) == [str(t) for t in want["top_ids"][-1]]
+    assert r.json()["usage"]["completion_tokens"] == 3
+    for extra, message in (({}, "max_tokens = 16: this service scores prompts and generates at most one token"),
+                           ({"max_tokens": 0, "stream": True}, "stream"),
+                           ({"max_tokens": 0, "n": 2}, "n = 2"),
+                           ({"max_tokens": 1, "top_p": 0.9}, "top_p")):
+        r = post(server, {"prompt": prompts[0], **extra}, "/v1/completions")
+        assert r.status_code == 400 and message in r.json()["detail"], (extra, r.text)
+    r = post(server, {"prompt": "t5 t7", "max_tokens": 0, "echo": True, "logprobs": 0}, "/v1/completions")
+    assert r.status_code == 400 and "needs a tokenizer" in r.json()["detail"]
+    r = post(server, {"prompt": ["t5 t7 t9"], "max_tokens": 1, "echo": True, "logprobs": 1, "return_token_ids": True},
+             "/slow/v1/completions")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 7, 9]
+    assert choice["logprobs"]["tokens"][:3] == ["t5", "t7", "t9"]
+    assert choice["logprobs"]["tokens"][3] == f"t{choice['token_ids'][0]}"
 
 
 def test_binary_results_are_the_json_results_bitwise(server):

@@ -195,3 +195,56 @@ def test_ragged_index_is_the_concatenation_of_the_ranges(counts):
     want = [i for s, c in zip(starts.tolist(), counts.tolist(), strict=True) for i in range(s, s + c)]
     got = ragged_index(starts, counts)
     assert got.dtype == np.int64 and got.tolist() == want
+
+
+def test_mismatch_against_a_plain_computation_per_sequence():
+    """mean and max |ours - rollout|, k3 = mean(exp(d) - 1 - d) and the share of ratios outside the bounds, per
+    sequence; sequences without entries (first, middle, last) give zeros."""
+    from ppo_logprobs.workers.request import mismatch
+
+    rng = np.random.default_rng(0)
+    counts = [0, 5, 0, 9, 1, 0]
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    ours = -rng.random(offsets[-1]).astype(np.float32) * 3
+    rollout = ours + rng.normal(0, 0.3, offsets[-1])
+    stats = mismatch(ours, rollout, offsets, (0.8, 1.25))
+    for i, n in enumerate(counts):
+        d = ours[offsets[i] : offsets[i + 1]].astype(np.float64) - rollout[offsets[i] : offsets[i + 1]]
+        want = dict(mean_abs=np.abs(d).mean(), max_abs=np.abs(d).max(), kl_k3=(np.exp(d) - 1 - d).mean(),
+                    outside=((np.exp(d) < 0.8) | (np.exp(d) > 1.25)).mean()) if n else dict.fromkeys(stats, 0.0)
+        for name, value in want.items():
+            assert stats[name][i] == pytest.approx(value, rel=1e-12, abs=1e-15), (name, i)
+    assert (stats["kl_k3"] >= 0).all()
+
+
+@pytest.mark.parametrize(("rollout", "message"), [
+    ([[-0.1]], r"rollout_log_probs has 1 lists for 2 sequences"),
+    ([[-0.1], [-0.2]], r"rollout_log_probs\[0\] has 1 entries; sequence 0 has 2 scored tokens"),
+    ([[-0.1, -0.2], [-0.3, 0.5]], r"rollout_log_probs\[1\]\[1\] = 0.5 must be a finite log-probability"),
+    ([[-0.1, float("nan")], [-0.3, -1]], r"rollout_log_probs\[0\]\[1\] = nan"),
+    ([[-0.1, -0.2], [-0.3, True]], r"rollout_log_probs\[1\]\[1\] = True must be a number"),
+    ([[-0.1, -0.2], "ab"], r"rollout_log_probs\[1\] has 'ab'"),
+    ("ab", r"one list of log-probs per sequence"),
+])
+def test_rollout_log_probs_are_checked_against_the_request(rollout, message):
+    from ppo_logprobs.workers.request import rollout_values
+
+    request = ScoreRequest.build([[1, 2, 3], [4, 5, 6]], 1, vocab_size=10, max_length=10)
+    with pytest.raises(RequestError, match=message):
+        rollout_values(rollout, request)
+    values = rollout_values([[-0.1, -2], [0, -3.5]], request)
+    assert values.dtype == np.float64 and values.tolist() == [-0.1, -2, 0, -3.5]
+
+
+def test_top_k_and_candidates_travel_with_spans_selections_and_joins():
+    a = ScoreRequest.build([[1, 2, 3], [4, 5]], 1, vocab_size=10, max_length=10, top_k=2, token_ids=[[1], [2, 3]])
+    b = ScoreRequest.build([[6, 7]], 1, vocab_size=10, max_length=10, top_k=2, token_ids=[4, 5, 6])
+    joined = ScoreRequest.concat([a, b])
+    assert joined.top_k == 2 and joined.token_ids.tolist() == [[1, -1, -1], [2, 3, -1], [4, 5, 6]]
+    assert joined.candidate_counts().tolist() == [1, 2, 3]
+    assert joined.select(np.array([2, 0])).token_ids.tolist() == [[4, 5, 6], [1, -1, -1]]
+    assert joined.span(1, 3).token_ids.tolist() == [[2, 3, -1], [4, 5, 6]]
+    plain = ScoreRequest.build([[1, 2]], 1, vocab_size=10, max_length=10, top_k=2)
+    assert ScoreRequest.concat([plain, b]).token_ids.tolist() == [[-1, -1, -1], [4, 5, 6]]
+    with pytest.raises(ValueError, match=r"top_k \[0, 2\] cannot be joined"):
+        ScoreRequest.concat([ScoreRequest.build([[1, 2]], 1, vocab_size=10, max_length=10), a])

@@ -28,7 +28,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
 from ..prefixes import forest
-from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, SequenceScores, stale_parts
+from ..request import (
+    RATIO_BOUNDS,
+    VERSION_ATTEMPTS,
+    ScoreRequest,
+    ScoreResult,
+    SequenceScores,
+    mismatch,
+    rollout_values,
+    stale_parts,
+    with_mismatch,
+)
 from ..sharding import check_shardable
 from ..weights.keep import rank_copy
 from .log_prob_worker import LogProbWorker
@@ -413,14 +423,22 @@ class WorkerPool:
         *,
         top_k: int = 0,
         token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        rollout_log_probs: Sequence[Sequence[float]] | None = None,
+        ratio_bounds: tuple[float, float] = RATIO_BOUNDS,
     ) -> list[SequenceScores]:
         """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
         log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length).
         `top_k`, `token_ids`: as LogProbWorker.score (the k most likely tokens of each entry with the tail's mass;
-        candidates' log-probs)."""
+        candidates' log-probs). `rollout_log_probs`: the rollout engine's log-probs of the same entries (one list per
+        sequence); each result's `mismatch` then says how far they are from ours (request.mismatch: mean and max
+        |delta|, the k3 estimate of KL(rollout || ours), the share of ratios outside `ratio_bounds`)."""
         request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+        rollout = None if rollout_log_probs is None else rollout_values(rollout_log_probs, request)
         result = _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix))
-        return result.sequences(request.candidate_counts())
+        sequences = result.sequences(request.candidate_counts())
+        if rollout is None:
+            return sequences
+        return with_mismatch(sequences, mismatch(result.log_probs, rollout, result.offsets, ratio_bounds))
 
     def compute_log_probs_async(
         self,

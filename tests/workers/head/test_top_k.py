@@ -47,18 +47,18 @@ def check(out, log_p, order, k, keep, tol):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("k", [1, 20])
+@pytest.mark.parametrize("k", [1, 7])
 def test_top_k_and_tail_match_the_oracle_with_temperatures_and_ignored_positions(backend, k):
-    hidden, weight, labels = inputs(37, 24, 503)
+    hidden, weight, labels = inputs(19, 24, 503)
     labels[::5] = -100
-    temps = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
+    temps = torch.rand(19, generator=torch.Generator().manual_seed(1)) + 0.5
     out = fused_log_probs(hidden, weight, labels, temps, top_k=k, backend=backend)
     log_p, order, biggest = oracle(hidden, weight, temps)
     keep = labels != -100
     check(out, log_p, order, k, keep, TOL * (1 + biggest))
     plain_lp, plain_ent = fused_log_probs(hidden, weight, labels, temps, backend=backend)
     assert torch.equal(out.log_probs, plain_lp) and torch.equal(out.entropy, plain_ent)  # the same pass's bits
-    assert out.top_log_probs.shape == (37, k) and out.top_ids.dtype == torch.int64
+    assert out.top_log_probs.shape == (19, k) and out.top_ids.dtype == torch.int64
     assert out.candidate_log_probs is None
 
 
@@ -113,9 +113,9 @@ def test_candidate_sets_shared_and_per_position(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tokens_top_k_does_not_depend_on_the_rest_of_the_call(backend):
-    hidden, weight, labels = inputs(40, 24, 503, seed=6)
+    hidden, weight, labels = inputs(20, 24, 503, seed=6)
     whole = fused_log_probs(hidden, weight, labels, top_k=7, token_ids=torch.tensor([1, 2]), backend=backend)
-    idx = torch.tensor([31, 2, 17])
+    idx = torch.tensor([17, 2, 11])
     part = fused_log_probs(hidden[idx], weight, labels[idx], top_k=7, token_ids=torch.tensor([1, 2]),
                            backend=backend)
     assert torch.equal(part.top_ids, whole.top_ids[idx])

@@ -61,7 +61,7 @@ def test_top_k_and_candidates_through_the_pool_equal_one_worker(pool, model):
     LogProbWorker gives them; the async path too."""
     from ppo_logprobs.workers import LogProbWorker
 
-    seqs = random_sequences(12, seed=13, hi=90)
+    seqs = random_sequences(12, seed=13, lo=5, hi=90)
     ids = [[3, 4], [5], *[[7, 8, 9]] * 10]
     got = pool.compute_log_probs(seqs, 2, top_k=4, token_ids=ids)
     want = LogProbWorker(model, max_tokens_per_batch=256).score(seqs, 2, top_k=4, token_ids=ids)
@@ -72,6 +72,13 @@ def test_top_k_and_candidates_through_the_pool_equal_one_worker(pool, model):
             np.testing.assert_allclose(getattr(g, name), getattr(w, name), rtol=0, atol=1e-5, err_msg=f"{name} {i}")
     later = ray.get(pool.compute_log_probs_async(seqs[:2], 2, top_k=4, token_ids=ids[:2]))
     assert [r.candidate_log_probs.shape[1] for r in later] == [2, 1] and later[0].top_ids.shape[1] == 4
+    rollout = [(r.log_probs - 0.5 * (i % 2)).tolist() for i, r in enumerate(got)]  # every other one off by 0.5
+    checked = pool.compute_log_probs(seqs, 2, rollout_log_probs=rollout, ratio_bounds=(0.9, 1.1))
+    for i, r in enumerate(checked):
+        assert r.mismatch["max_abs"] == pytest.approx(0.5 * (i % 2), abs=1e-6)
+        assert r.mismatch["outside"] == (1.0 if i % 2 else 0.0)  # exp(0.5) > 1.1
+        assert r.mismatch["kl_k3"] == pytest.approx(np.expm1(0.5) - 0.5 if i % 2 else 0.0, abs=1e-5)
+    assert got[0].mismatch is None
 
 
 def test_async_returns_an_object_ref(pool, model):
