@@ -178,6 +178,8 @@ async def completions(request: Request, gw: GatewayDep) -> Response:
     text, with --tokenizer), echo with logprobs: k, prompt_logprobs: k, max_tokens 0 or 1 (the most likely next
     token); anything else it cannot do is a 400 that says so."""
     try:
+        if media_type(request.headers.get("content-type", "")) != "application/json":  # (as /logprobs)
+            raise HTTPException(415, "send the body as JSON with 'Content-Type: application/json'")
         settings = gw.settings
         body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
         parsed = await off_loop(len(body) <= _INLINE_BYTES, CompletionRequest.model_validate_json, body)

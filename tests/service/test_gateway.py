@@ -418,6 +418,9 @@ def test_completions_give_the_most_likely_next_token_and_refuse_what_they_cannot
         assert r.status_code == 400 and message in r.json()["detail"], (extra, r.text)
     r = post(server, {"prompt": "t5 t7", "max_tokens": 0, "echo": True, "logprobs": 0}, "/v1/completions")
     assert r.status_code == 400 and "needs a tokenizer" in r.json()["detail"]
+    r = httpx.post(server + "/v1/completions", content=b'{"prompt": [1, 2], "max_tokens": 0}',
+                   headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415  # (a web page's simple request, as for /logprobs)
     r = post(server, {"prompt": ["t5 t7 t9"], "max_tokens": 1, "echo": True, "logprobs": 1, "return_token_ids": True},
              "/slow/v1/completions")
     assert r.status_code == 200, r.text
