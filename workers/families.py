@@ -2,7 +2,8 @@
 
 For each HF `model_type`: the class-name prefix of its modules (`<prefix>RMSNorm`, `<prefix>Attention`), the config
 field of its final-logit softcap, how its RMSNorm scales (fused when known), where its attention's sliding window
-comes from (fused when known: the module, its config, or none), and whether it runs tensor parallel.
+comes from (fused when known: the module, its config, or none), whether it runs tensor parallel, and whether its
+MoE blocks' experts (`<prefix>Experts`) run sorted by expert (models/experts.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Family:
     norm: tuple[Literal["llama", "gemma"], str] | None = None  # (scaling style, epsilon attribute) of its RMSNorm
     window: Literal["none", "config", "module"] | None = None  # its attention, fused; None: HF's own forward
     tensor_parallel: bool = False
+    experts: bool = False  # mixture of experts: its `<prefix>Experts` modules run models/experts.py
 
 
 _LLAMA_NORM = ("llama", "variance_epsilon")
@@ -31,4 +33,9 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("Gemma2", softcap="final_logit_softcapping", norm=_GEMMA_NORM),
     "gemma3_text": Family("Gemma3", softcap="final_logit_softcapping", norm=_GEMMA_NORM, window="module",
                           tensor_parallel=True),
+    # mixtures of experts (the router stays HF's: softmax or sigmoid, norm_topk_prob, shared experts)
+    "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", experts=True),
+    "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", experts=True),
+    "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", experts=True),
+    "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True),  # (its q/k norms span all heads: HF's attention)
 }

@@ -1,6 +1,7 @@
 """The decoder body's memory-bound work in our Triton kernels: RMSNorm (rms_norm.py), the SiLU-gated MLP's middle
-(silu_mul.py), and, for rows of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads
-read in place by the varlen kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
+(silu_mul.py), mixture-of-experts layers sorted by expert (experts.py), and, for rows of packed sequences, the
+attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen kernel
+(varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from ..families import FAMILIES
 from ..head import Backend, resolve_backend
 from . import varlen_attention
+from .experts import experts_forward
 from .rms_norm import rms_norm
 from .rotary import rotary, rotary_reference
 from .silu_mul import silu_mul
@@ -26,6 +28,7 @@ _NORMS = {f"{f.prefix}RMSNorm": f.norm for f in FAMILIES.values() if f.norm}  # 
 # Attention classes (separate q/k/v/o projections, rotary on the whole head, optional q_norm/k_norm) -> where the
 # sliding window they pass to the attention function comes from: the module, its config, or nowhere
 _ATTENTIONS = {f"{f.prefix}Attention": f.window for f in FAMILIES.values() if f.window}
+_EXPERTS = {f"{f.prefix}Experts" for f in FAMILIES.values() if f.experts}  # MoE experts: models/experts.py
 
 
 def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
@@ -67,6 +70,8 @@ def _fusable(model: nn.Module):
             forward = partial(_norm_forward, style=_NORMS[name][0], eps=_NORMS[name][1])
         elif name in _ATTENTIONS:
             forward = partial(_attention_forward, window=_ATTENTIONS[name])
+        elif name in _EXPERTS:
+            forward = experts_forward
         elif (all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
             forward = _mlp_forward

@@ -17,10 +17,17 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
 }
 # Gemma: a final-logit softcap small enough to bend these tiny models' logits, so that a head without it fails
 GEMMA = dict(head_dim=8, final_logit_softcapping=0.05)
-EXTRA = {"gemma2": GEMMA, "gemma3": GEMMA}
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24)
+EXTRA = {"gemma2": GEMMA, "gemma3": GEMMA, "qwen3_moe": MOE, "qwen2_moe": dict(MOE, shared_expert_intermediate_size=40),
+         "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+         "olmoe": dict(num_experts=8, num_experts_per_tok=2)}
 
 
 def tiny(family, tied=False, **extra):
@@ -60,7 +67,7 @@ def batch(padding_side, lengths=(11, 7, 3), total=11, vocab=97):
 def test_patched_model_matches_its_logits(family, tied, padding_side, attention):
     """"varlen" (CUDA's default for 16-bit models) runs the call as one row of its real tokens; off CUDA its
     attention is sdpa per sequence."""
-    model = tiny(family, tied, **(dict(sliding_window=4) if family in ("mistral", "gemma3") else {}))
+    model = tiny(family, tied, **(dict(sliding_window=4) if family in ("mistral", "gemma3", "mixtral") else {}))
     ids, mask = batch(padding_side)
     temps = torch.linspace(0.5, 2.0, ids.numel()).view(ids.shape)
     for temperature in (1.0, 0.7, temps):

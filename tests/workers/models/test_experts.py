@@ -1,0 +1,114 @@
+"""Mixture-of-experts layers (workers/models/experts.py) against HF's own experts (fp32, tiny configs): tokens
+sorted by expert, grouped products, the combine in rank order; top-k 1, 2 and 8, an expert without tokens, every
+token to one expert, the "no expert" mark; and patched MoE models (Qwen3-MoE, and Qwen2-MoE with its shared expert)
+against HF's forward."""
+
+import pytest
+import torch
+import transformers
+
+from ppo_logprobs.workers import patch_model
+from ppo_logprobs.workers.models.experts import experts_forward, grouped_linear, sort_by_expert
+
+SMALL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, pad_token_id=0, head_dim=8)
+
+
+def qwen3_moe(top_k: int, experts: int = 8, **extra):
+    config = transformers.Qwen3MoeConfig(**SMALL, num_experts=experts, num_experts_per_tok=top_k,
+                                         moe_intermediate_size=24, intermediate_size=48, **extra)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # experts and routers far enough from their initial values to matter
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or "mlp.gate" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+def test_assignments_sorted_by_expert_then_token_and_rank():
+    index = torch.tensor([[3, 0], [0, 3], [8, 1], [3, 1]])  # (8: HF's mark of no expert, with 8 experts)
+    order, counts = sort_by_expert(index, 8)
+    # assignment t * 2 + r: expert 0 got (t0 r1), (t1 r0); 1 got (t2 r1), (t3 r1); 3 got three; "none" comes last
+    assert order.tolist() == [1, 2, 5, 7, 0, 3, 6, 4]
+    assert counts.tolist() == [2, 2, 0, 3, 0, 0, 0, 0, 1]
+
+
+def test_grouped_products_are_each_experts_matmul_on_odd_sizes():
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(5, 7, 13, generator=g)  # 5 experts, out 7, in 13
+    counts = [3, 0, 1, 6, 0, 2]  # an expert without rows; 2 rows of no expert at the end
+    x = torch.randn(sum(counts), 13, generator=g)
+    out = grouped_linear(x, weight, counts)
+    lo = 0
+    for e, n in enumerate(counts[:5]):
+        torch.testing.assert_close(out[lo : lo + n], x[lo : lo + n] @ weight[e].T, rtol=0, atol=0)
+        lo += n
+    assert (out[lo:] == 0).all()
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+def test_experts_equal_hfs_for_any_top_k(top_k):
+    model = qwen3_moe(top_k)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(23, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, weights, index = block.gate(hidden)
+        want = type(block.experts).forward(block.experts, hidden, index, weights)
+        got = experts_forward(block.experts, hidden, index, weights, backend="torch")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_one_expert_for_every_token_and_experts_without_any():
+    block = qwen3_moe(2).model.layers[0].mlp
+    hidden = torch.randn(9, 32, generator=torch.Generator().manual_seed(3))
+    weights = torch.rand(9, 2, generator=torch.Generator().manual_seed(4))
+    every = torch.full((9, 2), 5)  # every token's two ranks to expert 5: the other seven get nothing
+    with torch.no_grad():
+        want = type(block.experts).forward(block.experts, hidden, every, weights)
+        torch.testing.assert_close(experts_forward(block.experts, hidden, every, weights, backend="torch"), want,
+                                   rtol=0, atol=1e-5)
+        # rank 1 marked "no expert" (index 8, as HF's eager loop skips it): rank 0 alone counts
+        want = type(block.experts).forward(block.experts, hidden, every[:, :1] - 3, weights[:, :1])
+        got = experts_forward(block.experts, hidden, torch.tensor([[2, 8]] * 9), weights, backend="torch")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_patched_moe_models_equal_hfs_forward_padded_and_packed(family):
+    if family == "qwen3_moe":
+        model = qwen3_moe(2)
+    else:
+        config = transformers.Qwen2MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                             shared_expert_intermediate_size=40, intermediate_size=48)
+        torch.manual_seed(0)
+        model = transformers.Qwen2MoeForCausalLM(config).eval()
+    seqs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 5, 8)]
+    with torch.no_grad():
+        alone = []
+        for seq in seqs:
+            log_p = type(model).forward(model, input_ids=seq[None]).logits[0].float().log_softmax(-1)
+            alone.append(log_p[:-1].gather(-1, seq[1:, None])[:, 0])
+        patch_model(model, backend="torch")
+        packed = model(input_ids=torch.cat(seqs)[None],
+                       position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None]).log_probs[0]
+    at = 0
+    for seq, want in zip(seqs, alone, strict=True):
+        torch.testing.assert_close(packed[at : at + len(seq) - 1], want, rtol=0, atol=1e-5)
+        at += len(seq)
+
+
+def test_gradients_are_hfs():
+    """The trainer's forward with grad goes through the same layer: gradients of the experts' weights and of the
+    input as HF's."""
+    block = qwen3_moe(2).model.layers[0].mlp
+    hidden = torch.randn(15, 32, generator=torch.Generator().manual_seed(5))
+    _, weights, index = block.gate(hidden)
+    grads = []
+    for forward in (type(block.experts).forward, lambda *a: experts_forward(*a, backend="torch")):
+        x = hidden.clone().requires_grad_()
+        block.experts.zero_grad()
+        (forward(block.experts, x, index, weights.detach()) ** 2).sum().backward()
+        grads.append((x.grad, block.experts.gate_up_proj.grad.clone(), block.experts.down_proj.grad.clone()))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
