@@ -6,8 +6,8 @@ rounded once. The router stays HF's (softmax or sigmoid, norm_topk_prob: the fam
 rows are as invariant as every other GEMM's.
 
 A token's output does not depend on which other tokens share the call where the grouped product's rows do not
-depend on how many rows each expert got: true of the torch formula on the CPU; on CUDA that is the grouped
-kernel's job (cuBLAS picks kernels by the group's rows).
+depend on how many rows each expert got: on the Triton backend (CUDA by default) the products are one grouped
+kernel with a fixed tiling (grouped_gemm.py); the torch formula (the CPU) multiplies expert by expert.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .grouped_gemm import grouped_gemm
 from .silu_mul import silu_mul
 
 
@@ -47,13 +48,15 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     t, k = top_k_index.shape
     order, counts = sort_by_expert(top_k_index, self.num_experts)
     sizes = counts.tolist()
+    triton_ = resolve_backend(backend, hidden_states.device) == "triton"
+    linear = grouped_gemm if triton_ else grouped_linear
     x = hidden_states[order // k]  # [T * k, H], by expert
-    gate, up = grouped_linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
-    if resolve_backend(backend, x.device) == "triton" and type(self.act_fn).__name__ in ("SiLUActivation", "SiLU"):
+    gate, up = linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
+    if triton_ and type(self.act_fn).__name__ in ("SiLUActivation", "SiLU"):
         middle = silu_mul(gate.contiguous(), up.contiguous())
     else:
         middle = self.act_fn(gate) * up
-    out = grouped_linear(middle, self.down_proj, sizes)  # [T * k, H], by expert
+    out = linear(middle, self.down_proj, sizes)  # [T * k, H], by expert
     per_rank = torch.empty_like(out)
     per_rank[order] = out
     per_rank = per_rank.view(t, k, -1)

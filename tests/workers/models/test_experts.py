@@ -112,3 +112,40 @@ def test_gradients_are_hfs():
         grads.append((x.grad, block.experts.gate_up_proj.grad.clone(), block.experts.down_proj.grad.clone()))
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_is_each_experts_product_and_a_rows_bits_ignore_the_groups(dtype):
+    """The Triton grouped GEMM (the interpreter off CUDA) against per-expert products in float64, on odd sizes with
+    empty experts and rows of no expert; a row's result the same (within an ulp under the interpreter, bitwise
+    on a GPU) whether its expert got 1 row or 37."""
+    from ppo_logprobs.workers.models.grouped_gemm import grouped_gemm
+
+    from ..head.reference import assert_same_bits
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(5, 19, 45, generator=g).to(device, dtype)
+    counts = [37, 0, 1, 20, 0, 3]
+    x = torch.randn(sum(counts), 45, generator=g).to(device, dtype)
+    out = grouped_gemm(x, weight, counts)
+    lo = 0
+    for e, n in enumerate(counts[:5]):
+        want = x[lo : lo + n].double() @ weight[e].double().T
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[lo : lo + n].double(), want, rtol=tol, atol=tol)
+        lo += n
+    assert (out[lo:] == 0).all()
+    alone = grouped_gemm(x[5:6], weight, [1, 0, 0, 0, 0, 0])  # row 5 of expert 0, now its only row
+    assert_same_bits(alone[0].float(), out[5].float(), interpreted=device == "cpu")
+
+
+def test_experts_through_the_grouped_kernel_equal_hfs():
+    model = qwen3_moe(2)
+    block = model.model.layers[1].mlp
+    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _, weights, index = block.gate(hidden)
+        want = type(block.experts).forward(block.experts, hidden, index, weights)
+        got = experts_forward(block.experts, hidden, index, weights, backend="triton")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

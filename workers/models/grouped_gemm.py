@@ -1,0 +1,113 @@
+"""A grouped GEMM for mixture-of-experts layers: rows grouped by expert (counts[e] consecutive rows for expert e),
+each group times its expert's weight [out, in] transposed, in one launch, with one fixed tiling per dtype and no
+split of the sum over `in`. Every output element is summed over the same K tiles in the same order whatever the
+group sizes, so a row's bits do not depend on how many rows its expert got (cuBLAS picks kernels by each group's
+rows; a per-expert loop of torch matmuls is not batch invariant on CUDA).
+
+The schedule (which expert and rows each program takes) is built on the host from the counts. The backward
+differentiates the torch formula (per-expert matmuls): gradients need not be bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..head.triton_log_probs_forward import dot_precision, interpreting
+
+
+def _tiles(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): one tiling per dtype, never per call."""
+    if interpreting():
+        return 16, 16, 16
+    return (64, 64, 32) if dtype == torch.float32 else (64, 128, 64)
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K,
+                         stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
+    end = tl.load(tile_end_ptr + tile).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < end, cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k + k0 < K
+        x = tl.load(x_ptr + rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if DOT_PRECISION == "ieee-widen":
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _schedule(counts: list[int], num_experts: int, block_m: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """Per program: its expert, its first row and the end of its expert's rows."""
+    experts, rows, ends = [], [], []
+    lo = 0
+    for e, n in enumerate(counts[:num_experts]):
+        for r in range(lo, lo + n, block_m):
+            experts.append(e)
+            rows.append(r)
+            ends.append(lo + n)
+        lo += n
+    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (experts, rows, ends))
+
+
+def _launch(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    rows, k = x.shape
+    num_experts, n, _ = weight.shape
+    out = x.new_zeros(rows, n)  # (rows of no expert stay 0)
+    block_m, block_n, block_k = _tiles(x.dtype)
+    expert, row, end = _schedule(counts, num_experts, block_m, x.device)
+    if expert.numel():
+        x, weight = x.contiguous(), weight.contiguous()
+        _grouped_gemm_kernel[(expert.numel(), triton.cdiv(n, block_n))](
+            x, weight, out, expert, row, end, n, k, weight.stride(0), weight.stride(1),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=4, num_stages=3,
+        )
+    return out
+
+
+class _GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return _launch(x, weight, counts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        d_x, d_w = torch.zeros_like(x), torch.zeros_like(weight)
+        lo = 0
+        for e, n in enumerate(ctx.counts[: weight.shape[0]]):
+            if n:
+                g = grad[lo : lo + n]
+                d_x[lo : lo + n] = g @ weight[e]
+                d_w[e] = g.T @ x[lo : lo + n]
+            lo += n
+        return d_x, d_w, None
+
+
+def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """x [rows, in] grouped by expert (counts[e] rows for expert e, in order; rows past them: no expert, zeros) times
+    weight [experts, out, in] transposed: [rows, out]. Differentiable in x and weight."""
+    if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or x.dtype != weight.dtype:
+        raise ValueError(f"x must be [rows, in] and weight [experts, out, in] of its dtype, got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+    return _GroupedGemm.apply(x, weight, counts)
