@@ -1,0 +1,145 @@
+"""Mixture of experts (issue 24): the Qwen3-30B-A3B shape with random bf16 weights, scoring 8 x 4096 tokens and
+mixed-length rollouts: our patched model through LogProbWorker.score (its defaults) against HF's own forward (logits,
+then log_softmax) with its experts as `grouped_mm` and as `eager` loops, in one run; the active-parameter FLOP
+floor beside them (2 x active parameters x tokens at the same run's bf16 GEMM rate). Also how many sequences'
+results differ between scored alone and packed with the others (the invariant mode promises none).
+
+  python benchmarks/bench_moe.py --out moe.json         # one H200
+  python benchmarks/bench_moe.py --tiny                 # a CPU dry run, tiny config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from ppo_logprobs.workers import LogProbWorker, patch_model
+from ppo_logprobs.workers.models.fuse_body import unfuse_body
+
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                     rope_theta=1e6, tie_word_embeddings=False)
+TINY = dict(vocab_size=503, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=4096, tie_word_embeddings=False)
+
+
+def build(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, attn_implementation="sdpa")).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
+
+
+def active_parameters(config: dict) -> int:
+    """Parameters a token's forward multiplies by: attention, the router, its k experts, the head."""
+    h, heads, kv, d = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], \
+        config["head_dim"]
+    attention = h * d * (heads + 2 * kv) + heads * d * h
+    experts = config["num_experts_per_tok"] * 3 * h * config["moe_intermediate_size"]
+    return config["num_hidden_layers"] * (attention + config["num_experts"] * h + experts) + config["vocab_size"] * h
+
+
+def timed(fn, cuda: bool, reps: int) -> float:
+    fn()
+    seconds = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
+
+
+def hf_scores(model, seqs: list[list[int]], device: str):
+    """HF's forward (its own experts implementation), one padded batch: logits, log_softmax, the labels' log-probs."""
+    longest = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
+    with torch.no_grad():
+        logits = type(model).forward(model, input_ids=ids, attention_mask=mask).logits
+        return logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    config = TINY if args.tiny else QWEN3_30B_A3B
+    model = build(config, device, dtype)
+    rng = np.random.default_rng(0)
+    scale = 32 if args.tiny else 1
+    cases = {"8 x 4096": [rng.integers(0, config["vocab_size"], 4096 // scale).tolist() for _ in range(8)],
+             "mixed rollouts": [rng.integers(0, config["vocab_size"], int(n) // scale).tolist()
+                                for n in rng.integers(256, 4096, 12)]}
+    floor_rate = None
+    if cuda:  # the same run's bf16 GEMM rate, on a shape like the experts' and attention's
+        a, b = torch.randn(8192, 2048, device=device, dtype=dtype), torch.randn(2048, 6144, device=device, dtype=dtype)
+        floor_rate = 2 * 8192 * 2048 * 6144 / timed(lambda: a @ b, True, 20)
+    rows = []
+    for name, seqs in cases.items():
+        tokens = sum(map(len, seqs))
+        row = dict(case=name, tokens=tokens)
+        for impl in ("grouped_mm", "eager"):
+            try:
+                model.set_experts_implementation(impl)
+                row[f"hf_{impl}_tokens_per_s"] = tokens / timed(lambda: hf_scores(model, seqs, device), cuda,
+                                                                 args.reps)
+            except (torch.OutOfMemoryError, ValueError, AttributeError, NotImplementedError) as e:
+                row[f"hf_{impl}"] = f"{type(e).__name__}: {str(e)[:120]}"
+            if cuda:
+                torch.cuda.empty_cache()
+        patch_model(model, backend="torch" if args.tiny else "auto")
+        worker = LogProbWorker(model)
+        row["ours_tokens_per_s"] = tokens / timed(lambda: worker.score(seqs), cuda, args.reps)
+        packed = worker.score(seqs)
+        alone = [worker.score([s])[0] for s in seqs]
+        row["sequences_differing"] = sum(not np.array_equal(p.log_probs, a.log_probs) for p, a in zip(packed, alone,
+                                                                                                     strict=True))
+        if floor_rate:
+            row["floor_tokens_per_s"] = floor_rate / (2 * active_parameters(config))
+            row["of_floor"] = row["ours_tokens_per_s"] / row["floor_tokens_per_s"]
+        del model.forward  # (HF's own forwards for the next case's baselines)
+        unfuse_body(model)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    meta = dict(model="tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B shape, random bf16", device=device,
+                torch=torch.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
+                active_parameters=active_parameters(config), options={"reps": args.reps} if args.reps != 3 else {})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"{'case':>16}{'tokens':>8}{'ours tok/s':>12}{'HF grouped_mm':>15}{'HF eager':>10}{'of floor':>10}"
+          f"{'differ':>8}")
+    for r in rows:
+        hf = [r.get(f"hf_{i}_tokens_per_s") for i in ("grouped_mm", "eager")]
+        print(f"{r['case']:>16}{r['tokens']:>8}{r['ours_tokens_per_s']:>12.0f}"
+              + "".join(f"{x:>15.0f}" if x else f"{'-':>15}" for x in hf[:1])
+              + "".join(f"{x:>10.0f}" if x else f"{'-':>10}" for x in hf[1:])
+              + (f"{r['of_floor']:>10.2f}" if "of_floor" in r else f"{'-':>10}") + f"{r['sequences_differing']:>8}")
+
+
+if __name__ == "__main__":
+    main()
