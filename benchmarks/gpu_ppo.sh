@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issues 20-22 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
-# (the default) and "big15 model sync prefix prefixpool invariance gputests" (asked by name). FAST15=0 skips the
+# Issues 20-24 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
+# (the default) and "big15 model sync prefix prefixpool invariance topk moe gputests" (asked by name). FAST15=0 skips the
 # 1.5B loop's fast-mode run. Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -57,6 +57,13 @@ fi
 if has invariance; then  # issue 22: shared prefixes against alone, invariant and fast modes (7B shape)
   timeout ${INVARIANCE_S:-240} python3 benchmarks/bench_invariance.py --model /tmp/q7 --sequences ${SEQS:-40} \
     --out "$OUT/invariance.json" 2>&1 | tee "$OUT/invariance.log" | quiet | tail -14
+fi
+if has topk; then  # issue 23: top-k and candidates from the fused head against plain, the GEMM floor beside
+  timeout ${TOPK_S:-200} python3 benchmarks/bench_head.py --top-k --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" \
+    | quiet | tail -9
+fi
+if has moe; then  # issue 24: the Qwen3-30B-A3B shape against HF's experts
+  timeout ${MOE_S:-400} python3 benchmarks/bench_moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | quiet | tail -5
 fi
 if has gputests; then  # every GPU-marked test
   timeout ${GPUTESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -4
