@@ -40,7 +40,8 @@ class Settings(BaseSettings):
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
                                           "sharing at least this many first tokens compute them once (None: never)")
-    max_top_k: int = Field(MAX_TOP_K, ge=0, le=MAX_TOP_K, description="the largest top_k a request may ask for")
+    max_top_k: int = Field(64, ge=0, le=MAX_TOP_K, description="the largest top_k a request may ask for (up to "
+                           f"{MAX_TOP_K}; each entry of k costs about 16 bytes a token as JSON)")
     max_token_ids: int = Field(MAX_TOKEN_IDS, ge=0, description="candidate ids in one list of a request's token_ids")
     ratio_bounds: tuple[float, float] = Field(RATIO_BOUNDS, description="a token whose ratio exp(ours - rollout) "
                                               "lies outside counts in a result's mismatch share (rollout_log_probs)")
