@@ -80,14 +80,16 @@ def check(rank, backend, dtype, softcap, ignore_index, device="cpu"):
     assert none is None
     torch.testing.assert_close(no_ent_lp, lp.detach(), rtol=0, atol=1e-6)
 
-    # top-k, the tail and candidates (ids on both sides of the cut): each rank's lists merged in rank order
-    asked = dict(top_k=5, token_ids=torch.tensor([250, 251, 0, 502, 251], device=device))
-    both = fused_log_probs(hidden, mine.detach(), labels, temps, process_group=dist.group.WORLD, **asked, **kw)
-    one = fused_log_probs(hidden, weight, labels, temps, **asked, **kw)
-    assert torch.equal(both.top_ids, one.top_ids) and same_on_every_rank(both.top_ids)
-    for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
-        assert same_on_every_rank(getattr(both, name)), name
-        torch.testing.assert_close(getattr(both, name), getattr(one, name), rtol=0, atol=OUT_TOL * scale)
+    # top-k, the tail and candidates (ids on both sides of the cut): each rank's lists merged in rank order (the
+    # merge is the same for both backends; test_top_k.py checks each backend's own lists, so the interpreter is spared)
+    if backend == "torch":
+        asked = dict(top_k=5, token_ids=torch.tensor([250, 251, 0, 502, 251], device=device))
+        both = fused_log_probs(hidden, mine.detach(), labels, temps, process_group=dist.group.WORLD, **asked, **kw)
+        one = fused_log_probs(hidden, weight, labels, temps, **asked, **kw)
+        assert torch.equal(both.top_ids, one.top_ids) and same_on_every_rank(both.top_ids)
+        for name in ("top_log_probs", "tail_log_prob", "candidate_log_probs"):
+            assert same_on_every_rank(getattr(both, name)), name
+            torch.testing.assert_close(getattr(both, name), getattr(one, name), rtol=0, atol=OUT_TOL * scale)
 
     bad = labels.clone()
     bad[4] = v  # global ids: V is the whole vocabulary, not this rank's rows
