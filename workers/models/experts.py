@@ -1,9 +1,9 @@
 """Mixture-of-experts layers for scoring: the experts of HF's MoE blocks (`<prefix>Experts`: 3D `gate_up_proj`
 [E, 2I, H] and `down_proj` [E, H, I], called with each token's routed experts and their weights), run over the
-token-expert assignments sorted by expert, one grouped product for gate/up, the SiLU-gated middle, one for down,
-and each token's outputs combined back in a fixed order: its experts by their rank in the router's top k, in fp32,
-rounded once. The router stays HF's (softmax or sigmoid, norm_topk_prob: the family's), a plain linear layer whose
-rows are as invariant as every other GEMM's.
+token-expert assignments sorted by expert: one grouped product for gate/up with the SiLU-gated middle (fused on
+the Triton backend), one for down, and each token's outputs combined back in a fixed order (its experts by their
+rank in the router's top k) in fp32, rounded once. The router stays HF's (softmax or sigmoid, norm_topk_prob: the
+family's), a plain linear layer whose rows are as invariant as every other GEMM's.
 
 A token's output does not depend on which other tokens share the call where the grouped product's rows do not
 depend on how many rows each expert got: on the Triton backend (CUDA by default) the products are one grouped
@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .grouped_gemm import grouped_gemm
-from .silu_mul import silu_mul
+from .grouped_gemm import grouped_gate_up, grouped_gemm
 
 
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -51,10 +50,10 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     triton_ = resolve_backend(backend, hidden_states.device) == "triton"
     linear = grouped_gemm if triton_ else grouped_linear
     x = hidden_states[order // k]  # [T * k, H], by expert
-    gate, up = linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
     if triton_ and type(self.act_fn).__name__ in ("SiLUActivation", "SiLU"):
-        middle = silu_mul(gate.contiguous(), up.contiguous())
+        middle = grouped_gate_up(x, self.gate_up_proj, sizes)  # (gate, up and the middle in one kernel)
     else:
+        gate, up = linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
         middle = self.act_fn(gate) * up
     out = linear(middle, self.down_proj, sizes)  # [T * k, H], by expert
     per_rank = torch.empty_like(out)

@@ -52,6 +52,44 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, t
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K,
+                            stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """silu(x @ gate.T) * (x @ up.T) for an expert's gate_up weight [2N, K] (gate rows first): both products of a
+    tile at once, the middle in the epilogue, rounded as silu_mul.py rounds (silu in fp32, rounded to the dtype,
+    times up in fp32, rounded again)."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
+    end = tl.load(tile_end_ptr + tile).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < end, cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k + k0 < K
+        x = tl.load(x_ptr + rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        at = w_ptr + expert * stride_we + (k0 + offs_k)[:, None]
+        mask = col_ok[None, :] & k_ok[:, None]
+        wg = tl.load(at + cols[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
+        wu = tl.load(at + (cols + N)[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
+        if DOT_PRECISION == "ieee-widen":
+            gate = tl.dot(x.to(tl.float32), wg.to(tl.float32), gate, input_precision="ieee")
+            up = tl.dot(x.to(tl.float32), wu.to(tl.float32), up, input_precision="ieee")
+        else:
+            gate = tl.dot(x, wg, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, wu, up, input_precision=DOT_PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    g = gate.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+    middle = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], middle.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
 def _schedule(counts: list[int], num_experts: int, block_m: int, device) -> tuple[Tensor, Tensor, Tensor]:
     """Per program: its expert, its first row and the end of its expert's rows."""
     experts, rows, ends = [], [], []
@@ -65,15 +103,17 @@ def _schedule(counts: list[int], num_experts: int, block_m: int, device) -> tupl
     return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (experts, rows, ends))
 
 
-def _launch(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+def _launch(x: Tensor, weight: Tensor, counts: list[int], gated: bool = False) -> Tensor:
     rows, k = x.shape
     num_experts, n, _ = weight.shape
+    n = n // 2 if gated else n
     out = x.new_zeros(rows, n)  # (rows of no expert stay 0)
     block_m, block_n, block_k = _tiles(x.dtype)
     expert, row, end = _schedule(counts, num_experts, block_m, x.device)
     if expert.numel():
         x, weight = x.contiguous(), weight.contiguous()
-        _grouped_gemm_kernel[(expert.numel(), triton.cdiv(n, block_n))](
+        kernel = _grouped_gate_up_kernel if gated else _grouped_gemm_kernel
+        kernel[(expert.numel(), triton.cdiv(n, block_n))](
             x, weight, out, expert, row, end, n, k, weight.stride(0), weight.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
             num_warps=4, num_stages=3,
@@ -100,6 +140,35 @@ class _GroupedGemm(torch.autograd.Function):
                 d_w[e] = g.T @ x[lo : lo + n]
             lo += n
         return d_x, d_w, None
+
+
+class _GroupedGateUp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        return _launch(x, weight, counts, gated=True)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            gate, up = _GroupedGemm.apply(xg, wg, ctx.counts).chunk(2, dim=-1)
+            return (*torch.autograd.grad(torch.nn.functional.silu(gate) * up, (xg, wg), grad), None)
+
+
+def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int]) -> Tensor:
+    """silu(gate) * up of a mixture's experts in one grouped kernel: gate_up [experts, 2I, in] (gate rows first, as
+    HF stores them), x as grouped_gemm takes it; [rows, I]. Differentiable in x and gate_up."""
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must hold gate and up rows alike, got {gate_up.shape[1]} rows")
+    if x.dim() != 2 or gate_up.dim() != 3 or x.shape[1] != gate_up.shape[2] or x.dtype != gate_up.dtype:
+        raise ValueError(f"x must be [rows, in] and gate_up [experts, 2I, in] of its dtype, got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(gate_up.shape)} {gate_up.dtype}")
+    if sum(counts) != x.shape[0]:
+        raise ValueError(f"counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+    return _GroupedGateUp.apply(x, gate_up, counts)
 
 
 def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:

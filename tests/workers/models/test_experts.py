@@ -149,3 +149,34 @@ def test_experts_through_the_grouped_kernel_equal_hfs():
         want = type(block.experts).forward(block.experts, hidden, index, weights)
         got = experts_forward(block.experts, hidden, index, weights, backend="triton")
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_gate_up_kernel_is_the_product_then_silu_mul(dtype):
+    """silu(gate) * up in the grouped kernel's epilogue: the unfused product's halves through silu_mul (the same
+    roundings), and its gradients those of the torch formula."""
+    from ppo_logprobs.workers.models.grouped_gemm import grouped_gate_up, grouped_gemm
+    from ppo_logprobs.workers.models.silu_mul import silu_mul
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(4, 2 * 21, 33, generator=g) * 0.3).to(device, dtype)
+    counts = [5, 0, 18, 2, 1]
+    x = torch.randn(sum(counts), 33, generator=g).to(device, dtype)
+    fused = grouped_gate_up(x, gate_up, counts)
+    gate, up = grouped_gemm(x, gate_up, counts).chunk(2, dim=-1)
+    want = silu_mul(gate.contiguous(), up.contiguous())
+    tol = dict(rtol=0, atol=0) if device == "cuda" or dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused[:-1], want[:-1], **tol)
+    assert (fused[-1] == 0).all()  # (the row of no expert)
+    x32, w32 = x.float().requires_grad_(), gate_up.float().requires_grad_()
+    grouped_gate_up(x32, w32, counts).sum().backward()
+    xr, wr = x.float().requires_grad_(), gate_up.float().requires_grad_()
+    lo, total = 0, 0
+    for e, n in enumerate(counts[:4]):
+        gr, ur = (xr[lo : lo + n] @ wr[e].T).chunk(2, dim=-1)
+        total = total + (torch.nn.functional.silu(gr) * ur).sum()
+        lo += n
+    total.backward()
+    torch.testing.assert_close(x32.grad, xr.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(w32.grad, wr.grad, rtol=1e-4, atol=1e-4)
