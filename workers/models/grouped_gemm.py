@@ -90,17 +90,15 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], middle.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _schedule(counts: list[int], num_experts: int, block_m: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    """Per program: its expert, its first row and the end of its expert's rows."""
-    experts, rows, ends = [], [], []
-    lo = 0
-    for e, n in enumerate(counts[:num_experts]):
-        for r in range(lo, lo + n, block_m):
-            experts.append(e)
-            rows.append(r)
-            ends.append(lo + n)
-        lo += n
-    return tuple(torch.tensor(v, dtype=torch.int64, device=device) for v in (experts, rows, ends))
+def _schedule(counts: Tensor, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per program: its expert, its first row and the end of its expert's rows (built on the device, from the
+    experts' row counts [experts])."""
+    tiles = (counts + block_m - 1) // block_m
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), tiles)
+    ends = torch.cumsum(counts, 0)
+    starts, first = ends - counts, torch.cumsum(tiles, 0) - tiles
+    within = torch.arange(len(expert), device=counts.device) - first[expert]
+    return expert, starts[expert] + within * block_m, ends[expert]
 
 
 def _launch(x: Tensor, weight: Tensor, counts: list[int], gated: bool = False) -> Tensor:
@@ -109,7 +107,7 @@ def _launch(x: Tensor, weight: Tensor, counts: list[int], gated: bool = False) -
     n = n // 2 if gated else n
     out = x.new_zeros(rows, n)  # (rows of no expert stay 0)
     block_m, block_n, block_k = _tiles(x.dtype)
-    expert, row, end = _schedule(counts, num_experts, block_m, x.device)
+    expert, row, end = _schedule(torch.tensor(counts[:num_experts], device=x.device), block_m)
     if expert.numel():
         x, weight = x.contiguous(), weight.contiguous()
         kernel = _grouped_gate_up_kernel if gated else _grouped_gemm_kernel
