@@ -95,6 +95,12 @@ def _key_logit(keys):
 
 
 @triton.jit
+def _no_keys(ROWS: tl.constexpr, TOP_K: tl.constexpr):
+    """[ROWS, TOP_K] keys below every logit (a padding column's value, past every id): an empty top list."""
+    return _order_keys(tl.full([ROWS, TOP_K], _PAD_LOGIT, tl.float32), tl.full([ROWS, TOP_K], 0xFFFFFFFF, tl.int64))
+
+
+@triton.jit
 def _merge_top(best, more, TOP_K: tl.constexpr):
     """The TOP_K largest keys of two [rows, TOP_K] sets, in descending order."""
     both = tl.reshape(tl.join(best, more), [best.shape[0], 2 * TOP_K])
@@ -184,8 +190,7 @@ def _triton_log_probs_forward_kernel(
     w = tl.zeros([BLOCK_N], dtype=tl.float32)
     z_label = tl.zeros([BLOCK_N], dtype=tl.float32)
     if TOP_K > 0:  # this split's TOP_K largest logits as keys, and sum exp(z - m) of all its others
-        best = _order_keys(tl.full([BLOCK_N, TOP_K], _PAD_LOGIT, tl.float32),
-                           tl.full([BLOCK_N, TOP_K], 0xFFFFFFFF, tl.int64))
+        best = _no_keys(BLOCK_N, TOP_K)
         tail = tl.zeros([BLOCK_N], dtype=tl.float32)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
@@ -274,8 +279,7 @@ def _triton_combine_splits_kernel(
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
     if TOP_K > 0:  # the splits' lists merged in split order: the k largest, and all the rest into the tail
         offs_k = tl.arange(0, TOP_K)
-        sentinel = _order_keys(tl.full([BLOCK, TOP_K], _PAD_LOGIT, tl.float32),
-                               tl.full([BLOCK, TOP_K], 0xFFFFFFFF, tl.int64))
+        sentinel = _no_keys(BLOCK, TOP_K)
         best = sentinel
         for i in range(num_splits):
             keys = tl.load(part_keys_ptr + (i * N + rows)[:, None].to(tl.int64) * TOP_K + offs_k[None, :],

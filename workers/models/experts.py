@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .grouped_gemm import grouped_gate_up, grouped_gemm
+from .grouped_gemm import grouped_gate_up, grouped_gemm, grouped_linear
 
 
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -24,18 +24,6 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     `num_experts`, HF's mark of none, which stay last and are not computed)."""
     flat = top_k_index.reshape(-1)
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts + 1)
-
-
-def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
-    """Rows of x grouped by expert (counts[e] rows for expert e, in order) times that expert's weight [out, in],
-    transposed: [rows, out]. Rows past the experts' groups (no expert) give zeros."""
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    lo = 0
-    for e, n in enumerate(counts[: weight.shape[0]]):
-        if n:
-            out[lo : lo + n] = x[lo : lo + n] @ weight[e].T
-        lo += n
-    return out
 
 
 def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *,

@@ -4,8 +4,8 @@ split of the sum over `in`. Every output element is summed over the same K tiles
 group sizes, so a row's bits do not depend on how many rows its expert got (cuBLAS picks kernels by each group's
 rows; a per-expert loop of torch matmuls is not batch invariant on CUDA).
 
-The schedule (which expert and rows each program takes) is built on the host from the counts. The backward
-differentiates the torch formula (per-expert matmuls): gradients need not be bitwise.
+The schedule (which expert and rows each program takes) is built on the device from the counts. The backward
+differentiates the torch formula (grouped_linear, expert by expert): gradients need not be bitwise.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..head.triton_log_probs_forward import dot_precision, interpreting
+from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
 
 
 def _tiles(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -26,16 +26,20 @@ def _tiles(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 @triton.jit
+def _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert, rows and columns (and which are in range), from the schedule."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    rows = tl.load(tile_row_ptr + tile).to(tl.int64) + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, cols, rows < tl.load(tile_end_ptr + tile).to(tl.int64), cols < N
+
+
+@triton.jit
 def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K,
                          stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
-    end = tl.load(tile_end_ptr + tile).to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < end, cols < N
+    expert, rows, cols, row_ok, col_ok = _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -44,10 +48,7 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, t
                     other=0.0)
         w = tl.load(w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if DOT_PRECISION == "ieee-widen":
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        acc = _dot(x, w, acc, DOT_PRECISION)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -59,13 +60,7 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr
     """silu(x @ gate.T) * (x @ up.T) for an expert's gate_up weight [2N, K] (gate rows first): both products of a
     tile at once, the middle in the epilogue, rounded as silu_mul.py rounds (silu in fp32, rounded to the dtype,
     times up in fp32, rounded again)."""
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
-    end = tl.load(tile_end_ptr + tile).to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < end, cols < N
+    expert, rows, cols, row_ok, col_ok = _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -77,12 +72,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr
         mask = col_ok[None, :] & k_ok[:, None]
         wg = tl.load(at + cols[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
         wu = tl.load(at + (cols + N)[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
-        if DOT_PRECISION == "ieee-widen":
-            gate = tl.dot(x.to(tl.float32), wg.to(tl.float32), gate, input_precision="ieee")
-            up = tl.dot(x.to(tl.float32), wu.to(tl.float32), up, input_precision="ieee")
-        else:
-            gate = tl.dot(x, wg, gate, input_precision=DOT_PRECISION)
-            up = tl.dot(x, wu, up, input_precision=DOT_PRECISION)
+        gate = _dot(x, wg, gate, DOT_PRECISION)
+        up = _dot(x, wu, up, DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     g = gate.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype)
@@ -119,6 +110,19 @@ def _launch(x: Tensor, weight: Tensor, counts: list[int], gated: bool = False) -
     return out
 
 
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+    """grouped_gemm's torch formula, expert by expert: rows of x grouped by expert (counts[e] rows for expert e, in
+    order) times that expert's weight [out, in], transposed: [rows, out]. Rows past the experts' groups (no
+    expert) give zeros."""
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    lo = 0
+    for e, n in enumerate(counts[: weight.shape[0]]):
+        if n:
+            out[lo : lo + n] = x[lo : lo + n] @ weight[e].T
+        lo += n
+    return out
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
@@ -129,15 +133,13 @@ class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        d_x, d_w = torch.zeros_like(x), torch.zeros_like(weight)
+        d_w = torch.zeros_like(weight)
         lo = 0
         for e, n in enumerate(ctx.counts[: weight.shape[0]]):
             if n:
-                g = grad[lo : lo + n]
-                d_x[lo : lo + n] = g @ weight[e]
-                d_w[e] = g.T @ x[lo : lo + n]
+                d_w[e] = grad[lo : lo + n].T @ x[lo : lo + n]
             lo += n
-        return d_x, d_w, None
+        return grouped_linear(grad, weight.transpose(1, 2), ctx.counts), d_w, None
 
 
 class _GroupedGateUp(torch.autograd.Function):
@@ -161,20 +163,20 @@ def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int]) -> Tensor:
     HF stores them), x as grouped_gemm takes it; [rows, I]. Differentiable in x and gate_up."""
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must hold gate and up rows alike, got {gate_up.shape[1]} rows")
-    if x.dim() != 2 or gate_up.dim() != 3 or x.shape[1] != gate_up.shape[2] or x.dtype != gate_up.dtype:
-        raise ValueError(f"x must be [rows, in] and gate_up [experts, 2I, in] of its dtype, got {tuple(x.shape)} "
-                         f"{x.dtype} and {tuple(gate_up.shape)} {gate_up.dtype}")
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+    _check(x, gate_up, counts, "gate_up", "2I")
     return _GroupedGateUp.apply(x, gate_up, counts)
 
 
 def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
     """x [rows, in] grouped by expert (counts[e] rows for expert e, in order; rows past them: no expert, zeros) times
     weight [experts, out, in] transposed: [rows, out]. Differentiable in x and weight."""
+    _check(x, weight, counts, "weight", "out")
+    return _GroupedGemm.apply(x, weight, counts)
+
+
+def _check(x: Tensor, weight: Tensor, counts: list[int], name: str, out: str) -> None:
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or x.dtype != weight.dtype:
-        raise ValueError(f"x must be [rows, in] and weight [experts, out, in] of its dtype, got {tuple(x.shape)} "
+        raise ValueError(f"x must be [rows, in] and {name} [experts, {out}, in] of its dtype, got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
     if sum(counts) != x.shape[0]:
         raise ValueError(f"counts sum to {sum(counts)}, x has {x.shape[0]} rows")
-    return _GroupedGemm.apply(x, weight, counts)
