@@ -76,7 +76,8 @@ def hf_scores(model, seqs: list[list[int]], device: str):
         ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
     with torch.no_grad():
         logits = type(model).forward(model, input_ids=ids, attention_mask=mask).logits
-        return logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])
+        # a row at a time: float32 log-softmax of all 12 padded rollouts at once would not fit beside the weights
+        return [logits[b, :-1].float().log_softmax(-1).gather(-1, ids[b, 1:, None]) for b in range(len(seqs))]
 
 
 def main() -> None:
