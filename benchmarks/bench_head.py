@@ -207,6 +207,13 @@ def run_top_k(shapes, device: str) -> list[dict]:
     cuda = device == "cuda"
     timer = bench if cuda else (lambda fn: _cpu_ms(fn))
     results = []
+
+    last = [time.perf_counter()]
+
+    def add(r: dict) -> None:  # printed as it comes, with its wall time (compiling, checking): a slow case shows
+        r["wall_s"], last[0] = time.perf_counter() - last[0], time.perf_counter()
+        results.append(r)
+        _print_top_k(r)
     for n, h, v in shapes:
         hidden, weight, labels = make_inputs(n, h, v, device=device)
         rows = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:SAMPLE_ROWS].to(device)
@@ -218,7 +225,7 @@ def run_top_k(shapes, device: str) -> list[dict]:
         plain_err = float((fused_log_probs(hidden, weight, labels, backend="triton")[0][rows].double()
                            - log_p.gather(-1, labels[rows, None])[:, 0]).abs().max())
         base = dict(shape=f"{n}x{h}x{v}", floor_ms=floor, plain_ms=plain_ms, plain_err=plain_err)
-        results.append(dict(base, case="plain", ms=plain_ms, ratio=plain_ms / floor, vs_plain=1.0))
+        add(dict(base, case="plain", ms=plain_ms, ratio=plain_ms / floor, vs_plain=1.0))
         for k in (1, 20, 64, 256):
             if k > v:
                 continue
@@ -227,27 +234,30 @@ def run_top_k(shapes, device: str) -> list[dict]:
             out = fn()
             ids = order[:, :k]
             err = float((out.top_log_probs[rows].double() - log_p.gather(-1, ids)).abs().max())
-            results.append(dict(base, case=f"top-{k}", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err,
-                                ids_equal=bool(torch.equal(out.top_ids[rows], ids))))
+            add(dict(base, case=f"top-{k}", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err,
+                     ids_equal=bool(torch.equal(out.top_ids[rows], ids))))
         fn = lambda: fused_log_probs(hidden, weight, labels, backend="triton", token_ids=candidates)  # noqa: E731
         ms = timer(fn)
         err = float((fn().candidate_log_probs[rows].double() - log_p[:, candidates]).abs().max())
-        results.append(dict(base, case="16 candidates", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err))
+        add(dict(base, case="16 candidates", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err))
 
         def full_logits():
             return torch.topk((hidden @ weight.T).float().log_softmax(-1), 20, dim=-1)
 
         try:
             ms = timer(full_logits)
-            results.append(dict(base, case="full logits + topk 20", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms))
+            add(dict(base, case="full logits + topk 20", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms))
         except torch.OutOfMemoryError:
-            results.append(dict(base, case="full logits + topk 20", oom=True))
-        for r in results[-7:]:
-            print(f"{r['shape']:>20} {r['case']:>22} " + (f"{r['ms']:9.3f} ms {r['ratio']:6.3f}x GEMM "
-                  f"{r['vs_plain']:6.3f}x plain" if "ms" in r else "out of memory")
-                  + (f"  err {r['err']:.1e} (plain {r['plain_err']:.1e})" if "err" in r else "")
-                  + (f" ids {'=' if r['ids_equal'] else 'DIFFER'}" if "ids_equal" in r else ""), flush=True)
+            add(dict(base, case="full logits + topk 20", oom=True))
     return results
+
+
+def _print_top_k(r: dict) -> None:
+    print(f"{r['shape']:>20} {r['case']:>22} " + (f"{r['ms']:9.3f} ms {r['ratio']:6.3f}x GEMM "
+          f"{r['vs_plain']:6.3f}x plain" if "ms" in r else "out of memory")
+          + (f"  err {r['err']:.1e} (plain {r['plain_err']:.1e})" if "err" in r else "")
+          + (f" ids {'=' if r['ids_equal'] else 'DIFFER'}" if "ids_equal" in r else "") + f" ({r['wall_s']:.0f} s)",
+          flush=True)
 
 
 def _cpu_ms(fn) -> float:

@@ -80,10 +80,28 @@ def hf_scores(model, seqs: list[list[int]], device: str):
         return [logits[b, :-1].float().log_softmax(-1).gather(-1, ids[b, 1:, None]) for b in range(len(seqs))]
 
 
+def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
+    """The kernels of one scoring call (ours, after a warm-up call), by total device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    patch_model(model, backend="torch" if tiny else "auto")
+    worker = LogProbWorker(model)
+    worker.score(seqs)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profiler(activities=activities) as prof:
+        worker.score(seqs)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "device_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="where our forward's time goes: its kernels, then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -99,6 +117,9 @@ def main() -> None:
     if cuda:  # the same run's bf16 GEMM rate, on a shape like the experts' and attention's
         a, b = torch.randn(8192, 2048, device=device, dtype=dtype), torch.randn(2048, 6144, device=device, dtype=dtype)
         floor_rate = 2 * 8192 * 2048 * 6144 / timed(lambda: a @ b, True, 20)
+    if args.profile:
+        profile(model, cases["8 x 4096"], cuda, args.tiny)
+        return
     rows = []
     for name, seqs in cases.items():
         tokens = sum(map(len, seqs))

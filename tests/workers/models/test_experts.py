@@ -141,9 +141,10 @@ def test_the_grouped_kernel_is_each_experts_product_and_a_rows_bits_ignore_the_g
 
 
 def test_experts_through_the_grouped_kernel_equal_hfs():
-    model = qwen3_moe(2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = qwen3_moe(2).to(device)
     block = model.model.layers[1].mlp
-    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(7))
+    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(7)).to(device)
     with torch.no_grad():
         _, weights, index = block.gate(hidden)
         want = type(block.experts).forward(block.experts, hidden, index, weights)
