@@ -258,33 +258,46 @@ def attention_probe(device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny",
+                        help="a checkpoint, 'tiny', or 'qwen3-30b-a3b' (that MoE shape, random bf16, built in memory)")
+    parser.add_argument("--modes", default="invariant,fast,hf", help="comma-separated: invariant,fast,hf (HF bodies)")
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
     parser.add_argument("--probe", action="store_true", help="the GEMM and RMSNorm row-count probe only")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.pool and args.model == "qwen3-30b-a3b":
+        parser.error("--pool loads the model in each worker: give a checkpoint")
     cuda = torch.cuda.is_available()
     out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
                gpu=torch.cuda.get_device_name() if cuda else None)
     if args.probe:
         probe("cuda", out)
     else:
-        tiny = args.model == "tiny"
         options = dict(dtype=torch.bfloat16) if cuda else dict(backend="torch")
+        model = args.model
+        if args.model == "qwen3-30b-a3b":  # (no checkpoint on disk: 61 GB)
+            from bench_moe import QWEN3_30B_A3B, TINY, build
+
+            model = build(QWEN3_30B_A3B if cuda else TINY, "cuda" if cuda else "cpu",
+                          torch.bfloat16 if cuda else torch.float32)
+            options = {} if cuda else dict(backend="torch")
         lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
-        vocab = 503 if tiny else 152064
+        out.update(model=args.model, options={"modes": args.modes} if args.modes != "invariant,fast,hf" else {})
+        budgets = (16384, 32768, 8192) if cuda else (64, 128, 100)
+        worker = LogProbWorker(model, max_tokens_per_batch=max(budgets), **options)
+        vocab = worker.model.config.vocab_size
         rng = np.random.default_rng(2)
         seqs = [rng.integers(0, vocab, n).tolist() for n in lengths]
         out.update(sequences=len(seqs), tokens=int(lengths.sum()))
-        budgets = (16384, 32768, 8192) if cuda else (64, 128, 100)
         print(f"# {len(seqs)} sequences, {lengths.sum()} tokens, lengths {lengths.min()}..{lengths.max()}")
         print(f"{'mode':>28} {'case':>34} {'max|dlp|':>10} {'max|dent|':>10} {'seqs':>8}", flush=True)
-        worker = LogProbWorker(args.model, max_tokens_per_batch=max(budgets), **options)
         backend = options.get("backend", "auto")
         modes = {}
         for label, invariant, fused in (("invariant", True, True), ("fast", False, True),
                                         ("invariant, HF body forwards", True, False)):
+            if {"invariant": "invariant", "fast": "fast"}.get(label, "hf") not in args.modes.split(","):
+                continue
             if invariant:
                 patch_model(worker.model, backend=backend)
             else:

@@ -97,16 +97,83 @@ def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
 
 
+def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool) -> None:
+    """One expert layer (tokens routed uniformly at random, the shape's top k): our gate/up, down and combine
+    kernels under several tilings, torch._grouped_mm on the same sorted rows, and a dense GEMM of gate/up's
+    FLOPs; ms and TFLOP/s."""
+    from ppo_logprobs.workers.models import grouped_gemm as gg
+    from ppo_logprobs.workers.models.experts import sort_by_expert
+
+    h, i, e, k = (config[key] for key in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"))
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(tokens, h, device=device, dtype=dtype, generator=g)
+    gate_up = torch.randn(e, 2 * i, h, device=device, dtype=dtype, generator=g) * 0.02
+    down = torch.randn(e, h, i, device=device, dtype=dtype, generator=g) * 0.02
+    index = torch.randn(tokens, e, device=device, generator=g).topk(k, dim=-1).indices
+    weights = torch.rand(tokens, k, device=device, generator=g)
+    order, counts = sort_by_expert(index, e)
+    source = order // k
+    middle = gg.grouped_gate_up(hidden, gate_up, counts, source=source)
+    out = gg.grouped_gemm(middle, down, counts)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=device))
+    flops = 2 * tokens * k * h * i
+    timer = (lambda fn: triton_bench(fn)) if cuda else (lambda fn: timed(fn, False, 1) * 1e3)
+    rows = []
+
+    def row(name: str, fn, f: float) -> None:
+        ms = timer(fn)
+        rows.append(dict(case=name, ms=ms, tflops=f / ms / 1e9))
+        print(f"{name:>44} {ms:9.3f} ms {f / ms / 1e9:7.1f} TFLOP/s", flush=True)
+
+    x = hidden[source]
+    offsets = torch.cumsum(counts[:e], 0).to(torch.int32)
+    if cuda:
+        row("torch._grouped_mm gate_up (rows gathered)", lambda: torch._grouped_mm(x, gate_up.transpose(-2, -1),
+                                                                                  offs=offsets), 2 * flops)
+        row("torch._grouped_mm down", lambda: torch._grouped_mm(middle, down.transpose(-2, -1), offs=offsets), flops)
+        a, b = torch.randn(tokens * k, h, device=device, dtype=dtype), torch.randn(h, 2 * i, device=device, dtype=dtype)
+        row("dense GEMM of gate_up's FLOPs", lambda: a @ b, 2 * flops)
+    configs = [gg._tiles(dtype)] + ([gg.Tiles(*c) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+                                                              (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+                                                              (128, 256, 64, 8, 3), (128, 128, 32, 4, 4))]
+                                    if cuda else [])
+    default = gg._tiles
+    try:
+        for tiles in configs:
+            gg._tiles = lambda _dtype, tiles=tiles: tiles
+            label = "x".join(map(str, tiles[:3])) + f" w{tiles.num_warps} s{tiles.num_stages}"
+            try:
+                row(f"ours gate_up+silu {label}", lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source),
+                    2 * flops)
+                row(f"ours down {label}", lambda: gg.grouped_gemm(middle, down, counts), flops)
+            except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
+                print(f"{label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
+    finally:
+        gg._tiles = default
+    row("ours combine", lambda: gg.combine(out, position.view(tokens, k), weights), 0)
+
+
+def triton_bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="where our forward's time goes: its kernels, then exit")
+    parser.add_argument("--sweep", action="store_true",
+                        help="one expert layer's kernels for several tilings, beside torch._grouped_mm, then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     config = TINY if args.tiny else QWEN3_30B_A3B
+    if args.sweep:
+        sweep(config, 32768 // (32 if args.tiny else 1), device, dtype, cuda)
+        return
     model = build(config, device, dtype)
     rng = np.random.default_rng(0)
     scale = 32 if args.tiny else 1

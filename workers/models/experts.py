@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .grouped_gemm import grouped_gate_up, grouped_gemm, grouped_linear
+from .grouped_gemm import combine, grouped_gate_up, grouped_gemm, grouped_linear
 
 
 def sort_by_expert(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -34,16 +34,18 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
 
     t, k = top_k_index.shape
     order, counts = sort_by_expert(top_k_index, self.num_experts)
+    if resolve_backend(backend, hidden_states.device) == "triton":  # (nothing read back to the host)
+        if type(self.act_fn).__name__ in ("SiLUActivation", "SiLU"):  # gate, up and the middle in one kernel
+            middle = grouped_gate_up(hidden_states, self.gate_up_proj, counts, source=order // k)
+        else:
+            gate, up = grouped_gemm(hidden_states[order // k], self.gate_up_proj, counts).chunk(2, dim=-1)
+            middle = self.act_fn(gate) * up
+        out = grouped_gemm(middle, self.down_proj, counts)  # [T * k, H], by expert
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+        return combine(out, position.view(t, k), top_k_weights)
     sizes = counts.tolist()
-    triton_ = resolve_backend(backend, hidden_states.device) == "triton"
-    linear = grouped_gemm if triton_ else grouped_linear
-    x = hidden_states[order // k]  # [T * k, H], by expert
-    if triton_ and type(self.act_fn).__name__ in ("SiLUActivation", "SiLU"):
-        middle = grouped_gate_up(x, self.gate_up_proj, sizes)  # (gate, up and the middle in one kernel)
-    else:
-        gate, up = linear(x, self.gate_up_proj, sizes).chunk(2, dim=-1)
-        middle = self.act_fn(gate) * up
-    out = linear(middle, self.down_proj, sizes)  # [T * k, H], by expert
+    gate, up = grouped_linear(hidden_states[order // k], self.gate_up_proj, sizes).chunk(2, dim=-1)
+    out = grouped_linear(self.act_fn(gate) * up, self.down_proj, sizes)
     per_rank = torch.empty_like(out)
     per_rank[order] = out
     per_rank = per_rank.view(t, k, -1)

@@ -13,21 +13,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from typing import NamedTuple
+
 from torch import Tensor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
 
 
-def _tiles(dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): one tiling per dtype, never per call."""
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(dtype: torch.dtype) -> Tiles:
+    """One tiling per dtype, never per call (BLOCK_K fixes a row's order of summation; the rest only the speed)."""
     if interpreting():
-        return 16, 16, 16
-    return (64, 64, 32) if dtype == torch.float32 else (64, 128, 64)
+        return Tiles(16, 16, 16, 4, 1)
+    return Tiles(64, 64, 32, 4, 3) if dtype == torch.float32 else Tiles(64, 128, 64, 4, 3)
 
 
 @triton.jit
 def _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's expert, rows and columns (and which are in range), from the schedule."""
+    """This program's expert (-1: no tile, the grid's spare), rows and columns (and which are in range)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     rows = tl.load(tile_row_ptr + tile).to(tl.int64) + tl.arange(0, BLOCK_M)
@@ -36,147 +46,199 @@ def _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K,
-                         stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+def _grouped_gemm_kernel(x_ptr, source_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K, E,
+                         stride_we, stride_wn, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out[rows] = x[rows] @ w[expert].T for one tile of an expert's rows; x's row r is x[source[r]] with GATHER.
+
+    GATED: silu(x @ gate.T) * (x @ up.T) for an expert's weight [2N, K] (gate rows first): both products of a tile
+    at once, the middle in the epilogue, rounded as silu_mul.py rounds (silu in fp32, rounded to the dtype, times
+    up in fp32, rounded again). Tiles of expert E (rows routed to no expert) store zeros."""
     expert, rows, cols, row_ok, col_ok = _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M, BLOCK_N)
+    k_end = K * ((expert >= 0) & (expert < E)).to(tl.int32)  # (no expert: no products, zeros out)
+    x_rows = tl.load(source_ptr + rows, mask=row_ok, other=0).to(tl.int64) if GATHER else rows
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k + k0 < K
-        x = tl.load(x_ptr + rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + offs_k)[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _dot(x, w, acc, DOT_PRECISION)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _grouped_gate_up_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K,
-                            stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """silu(x @ gate.T) * (x @ up.T) for an expert's gate_up weight [2N, K] (gate rows first): both products of a
-    tile at once, the middle in the epilogue, rounded as silu_mul.py rounds (silu in fp32, rounded to the dtype,
-    times up in fp32, rounded again)."""
-    expert, rows, cols, row_ok, col_ok = _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         k_ok = offs_k + k0 < K
-        x = tl.load(x_ptr + rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+        x = tl.load(x_ptr + x_rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         at = w_ptr + expert * stride_we + (k0 + offs_k)[:, None]
         mask = col_ok[None, :] & k_ok[:, None]
-        wg = tl.load(at + cols[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
-        wu = tl.load(at + (cols + N)[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0)
-        gate = _dot(x, wg, gate, DOT_PRECISION)
-        up = _dot(x, wu, up, DOT_PRECISION)
+        acc = _dot(x, tl.load(at + cols[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0), acc,
+                   DOT_PRECISION)
+        if GATED:
+            up = _dot(x, tl.load(at + (cols + N)[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0), up,
+                      DOT_PRECISION)
+    if GATED:
+        dtype = out_ptr.dtype.element_ty
+        g = acc.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype)
+        acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    g = gate.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype)
-    middle = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], middle.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _schedule(counts: Tensor, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per program: its expert, its first row and the end of its expert's rows (built on the device, from the
-    experts' row counts [experts])."""
+def _schedule(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per program: its expert (-1 for the spare programs of a grid sized for the worst case, so that no count
+    is read back to the host), its first row and the end of its expert's rows, from the row counts [E + 1] (the
+    last: rows of no expert, expert E)."""
     tiles = (counts + block_m - 1) // block_m
-    expert = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), tiles)
+    last = torch.cumsum(tiles, 0)
+    grid = triton.cdiv(rows, block_m) + len(counts)  # (at least sum(tiles))
+    program = torch.arange(grid, device=counts.device)
+    expert = torch.searchsorted(last, program, right=True)
+    known = expert.clamp(max=len(counts) - 1)
     ends = torch.cumsum(counts, 0)
-    starts, first = ends - counts, torch.cumsum(tiles, 0) - tiles
-    within = torch.arange(len(expert), device=counts.device) - first[expert]
-    return expert, starts[expert] + within * block_m, ends[expert]
+    start = ends[known] - counts[known] + (program - last[known] + tiles[known]) * block_m
+    spare = expert == len(counts)
+    return expert.masked_fill(spare, -1), start, torch.where(spare, start, ends[known])  # (spares: no rows)
 
 
-def _launch(x: Tensor, weight: Tensor, counts: list[int], gated: bool = False) -> Tensor:
-    rows, k = x.shape
+def _launch(x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
+    k = x.shape[1]
+    rows = x.shape[0] if source is None else source.shape[0]
     num_experts, n, _ = weight.shape
     n = n // 2 if gated else n
-    out = x.new_zeros(rows, n)  # (rows of no expert stay 0)
-    block_m, block_n, block_k = _tiles(x.dtype)
-    expert, row, end = _schedule(torch.tensor(counts[:num_experts], device=x.device), block_m)
-    if expert.numel():
-        x, weight = x.contiguous(), weight.contiguous()
-        kernel = _grouped_gate_up_kernel if gated else _grouped_gemm_kernel
-        kernel[(expert.numel(), triton.cdiv(n, block_n))](
-            x, weight, out, expert, row, end, n, k, weight.stride(0), weight.stride(1),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype),
-            num_warps=4, num_stages=3,
-        )
+    out = x.new_empty(rows, n)
+    tiles = _tiles(x.dtype)
+    expert, row, end = _schedule(counts.to(x.device, torch.int64), rows, tiles.block_m)
+    x, weight = x.contiguous(), weight.contiguous()
+    _grouped_gemm_kernel[(expert.numel(), triton.cdiv(n, tiles.block_n))](
+        x, source if source is not None else expert, weight, out, expert, row, end, n, k, num_experts,
+        weight.stride(0), weight.stride(1), GATED=gated, GATHER=source is not None, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
     return out
 
 
-def grouped_linear(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
+def grouped_linear(x: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Tensor:
     """grouped_gemm's torch formula, expert by expert: rows of x grouped by expert (counts[e] rows for expert e, in
     order) times that expert's weight [out, in], transposed: [rows, out]. Rows past the experts' groups (no
     expert) give zeros."""
     out = x.new_zeros(x.shape[0], weight.shape[1])
     lo = 0
-    for e, n in enumerate(counts[: weight.shape[0]]):
+    for e, n in enumerate(_sizes(counts)[: weight.shape[0]]):
         if n:
             out[lo : lo + n] = x[lo : lo + n] @ weight[e].T
         lo += n
     return out
 
 
+def _sizes(counts: list[int] | Tensor) -> list[int]:
+    return counts.tolist() if isinstance(counts, Tensor) else list(counts)
+
+
+def _grouped_weight_grad(x: Tensor, grad: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Tensor:
+    d_w = torch.zeros_like(weight)
+    lo = 0
+    for e, n in enumerate(_sizes(counts)[: weight.shape[0]]):
+        if n:
+            d_w[e] = grad[lo : lo + n].T @ x[lo : lo + n]
+        lo += n
+    return d_w
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        return _launch(x, weight, counts)
+    def forward(ctx, x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
+        ctx.save_for_backward(x, weight, counts, source)
+        ctx.gated = gated
+        return _launch(x, weight, counts, source, gated)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        d_w = torch.zeros_like(weight)
-        lo = 0
-        for e, n in enumerate(ctx.counts[: weight.shape[0]]):
-            if n:
-                d_w[e] = grad[lo : lo + n].T @ x[lo : lo + n]
-            lo += n
-        return grouped_linear(grad, weight.transpose(1, 2), ctx.counts), d_w, None
-
-
-class _GroupedGateUp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.counts = counts
-        return _launch(x, weight, counts, gated=True)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
+        """The torch formula's gradients (expert by expert), through the gathered rows where there are some."""
+        x, weight, counts, source = ctx.saved_tensors
+        rows = x if source is None else x[source]
         with torch.enable_grad():
-            xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            gate, up = _GroupedGemm.apply(xg, wg, ctx.counts).chunk(2, dim=-1)
-            return (*torch.autograd.grad(torch.nn.functional.silu(gate) * up, (xg, wg), grad), None)
+            xg, wg = rows.detach().requires_grad_(), weight.detach().requires_grad_()
+            out = grouped_linear(xg, wg, counts)
+            if ctx.gated:
+                gate, up = out.chunk(2, dim=-1)
+                out = torch.nn.functional.silu(gate) * up
+            d_rows, d_w = torch.autograd.grad(out, (xg, wg), grad)
+        d_x = d_rows if source is None else torch.zeros_like(x).index_add_(0, source, d_rows)
+        return d_x, d_w, None, None, None
 
 
-def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int]) -> Tensor:
+def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int] | Tensor, source: Tensor | None = None) -> Tensor:
     """silu(gate) * up of a mixture's experts in one grouped kernel: gate_up [experts, 2I, in] (gate rows first, as
-    HF stores them), x as grouped_gemm takes it; [rows, I]. Differentiable in x and gate_up."""
+    HF stores them), x as grouped_gemm takes it, or with `source` [rows] (int64) the rows x[source] in that order,
+    read in place (no gathered copy); [rows, I]. Differentiable in x and gate_up."""
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must hold gate and up rows alike, got {gate_up.shape[1]} rows")
-    _check(x, gate_up, counts, "gate_up", "2I")
-    return _GroupedGateUp.apply(x, gate_up, counts)
+    counts = _check(x, gate_up, counts, "gate_up", "2I", len(x) if source is None else len(source))
+    return _GroupedGemm.apply(x, gate_up, counts, source, True)
 
 
-def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int]) -> Tensor:
-    """x [rows, in] grouped by expert (counts[e] rows for expert e, in order; rows past them: no expert, zeros) times
-    weight [experts, out, in] transposed: [rows, out]. Differentiable in x and weight."""
-    _check(x, weight, counts, "weight", "out")
-    return _GroupedGemm.apply(x, weight, counts)
+def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Tensor:
+    """x [rows, in] grouped by expert (counts[e] rows for expert e, in order; the last count: rows of no expert,
+    zeros) times weight [experts, out, in] transposed: [rows, out]. Differentiable in x and weight. `counts` as a
+    device tensor reads nothing back to the host (on the kernels' path)."""
+    counts = _check(x, weight, counts, "weight", "out", len(x))
+    return _GroupedGemm.apply(x, weight, counts, None, False)
 
 
-def _check(x: Tensor, weight: Tensor, counts: list[int], name: str, out: str) -> None:
+def _check(x: Tensor, weight: Tensor, counts: list[int] | Tensor, name: str, out: str, rows: int) -> Tensor:
+    """The counts as a tensor [experts + 1], after checking shapes (and, for a list, the rows it counts)."""
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or x.dtype != weight.dtype:
         raise ValueError(f"x must be [rows, in] and {name} [experts, {out}, in] of its dtype, got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
-    if sum(counts) != x.shape[0]:
-        raise ValueError(f"counts sum to {sum(counts)}, x has {x.shape[0]} rows")
+    if len(counts) != weight.shape[0] + 1:
+        raise ValueError(f"counts must have one entry per expert and one for rows of none ({weight.shape[0] + 1}), "
+                         f"got {len(counts)}")
+    if not isinstance(counts, Tensor):
+        if sum(counts) != rows:
+            raise ValueError(f"counts sum to {sum(counts)}, the product has {rows} rows")
+        counts = torch.tensor(counts, dtype=torch.int64)
+    return counts.to(x.device, torch.int64)
+
+
+@triton.jit
+def _combine_kernel(out_ptr, position_ptr, weights_ptr, combined_ptr, T, H, K: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = (tokens < T)[:, None] & (cols < H)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(K):  # (rank order)
+        at = tokens.to(tl.int64) * K + r
+        row = tl.load(position_ptr + at, mask=tokens < T, other=0)
+        w = tl.load(weights_ptr + at, mask=tokens < T, other=0.0).to(tl.float32)
+        acc += tl.load(out_ptr + row[:, None] * H + cols[None, :], mask=ok, other=0.0).to(tl.float32) * w[:, None]
+    tl.store(combined_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :],
+             acc.to(combined_ptr.dtype.element_ty), mask=ok)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: Tensor, position: Tensor, weights: Tensor) -> Tensor:
+        t, k = position.shape
+        h = out.shape[1]
+        combined = out.new_empty(t, h)
+        out, position, weights = out.contiguous(), position.contiguous(), weights.contiguous()
+        block_t, block_h = (16, 16) if interpreting() else (32, 128)
+        _combine_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
+            out, position, weights, combined, t, h, K=k, BLOCK_T=block_t, BLOCK_H=block_h)
+        ctx.save_for_backward(out, position, weights)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out, position, weights = ctx.saved_tensors
+        g = grad.float()
+        per_rank = out[position].float()  # [T, k, H]
+        d_out = torch.zeros_like(out).index_copy_(0, position.reshape(-1),
+                                                 (g[:, None] * weights.float()[..., None]).flatten(0, 1).to(out.dtype))
+        d_w = (per_rank * g[:, None]).sum(-1).to(weights.dtype)
+        return d_out, None, d_w
+
+
+def combine(out: Tensor, position: Tensor, weights: Tensor) -> Tensor:
+    """Each token's experts' outputs weighted and summed: token t's rank-r output is out[position[t, r]] (out
+    [rows, H] in expert order), weights [T, k]; the sum in fp32 in rank order, rounded once to out's dtype. One
+    kernel: no copy of the outputs in token order. Differentiable in out and weights."""
+    return _Combine.apply(out, position, weights)

@@ -98,20 +98,69 @@ def test_patched_moe_models_equal_hfs_forward_padded_and_packed(family):
         at += len(seq)
 
 
-def test_gradients_are_hfs():
-    """The trainer's forward with grad goes through the same layer: gradients of the experts' weights and of the
-    input as HF's."""
-    block = qwen3_moe(2).model.layers[0].mlp
-    hidden = torch.randn(15, 32, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gradients_are_hfs(backend):
+    """The trainer's forward with grad goes through the same layer (on the Triton backend: the grouped kernels
+    reading rows in place, and the combine kernel): gradients of the experts' weights, the routing weights and
+    the input as HF's."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    block = qwen3_moe(2).model.layers[0].mlp.to(device)
+    hidden = torch.randn(15, 32, generator=torch.Generator().manual_seed(5)).to(device)
     _, weights, index = block.gate(hidden)
     grads = []
-    for forward in (type(block.experts).forward, lambda *a: experts_forward(*a, backend="torch")):
-        x = hidden.clone().requires_grad_()
+    for forward in (type(block.experts).forward, lambda *a: experts_forward(*a, backend=backend)):
+        x, w = hidden.clone().requires_grad_(), weights.detach().clone().requires_grad_()
         block.experts.zero_grad()
-        (forward(block.experts, x, index, weights.detach()) ** 2).sum().backward()
-        grads.append((x.grad, block.experts.gate_up_proj.grad.clone(), block.experts.down_proj.grad.clone()))
+        (forward(block.experts, x, index, w) ** 2).sum().backward()
+        grads.append((x.grad, w.grad, block.experts.gate_up_proj.grad.clone(), block.experts.down_proj.grad.clone()))
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_combine_kernel_sums_a_tokens_experts_in_rank_order_once_rounded():
+    """combine: token t's rank-r output read at out[position[t, r]] (no copy in token order), weighted, summed in
+    fp32 and rounded once, against float64; and its gradients those of the torch formula."""
+    from ppo_logprobs.workers.models.grouped_gemm import combine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(9)
+    t, k, h = 13, 3, 37
+    out = torch.randn(t * k + 2, h, generator=g).to(device, torch.bfloat16)  # (2 rows nobody reads)
+    position = torch.randperm(t * k + 2, generator=g)[: t * k].view(t, k).to(device)
+    weights = torch.rand(t, k, generator=g).to(device)
+    got = combine(out, position, weights)
+    want = (out[position].double() * weights.double()[..., None]).sum(1)
+    assert got.dtype == torch.bfloat16
+    terms = (out[position].double().abs() * weights.double()[..., None]).sum(1)
+    # an fp32 sum rounded once to bf16: within one ulp (the Triton interpreter's rounding truncates)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-7 + terms * 2**-20).all()
+    o32, w32 = out.float().requires_grad_(), weights.clone().requires_grad_()
+    combine(o32, position, w32).pow(2).sum().backward()
+    o_ref, w_ref = out.float().requires_grad_(), weights.clone().requires_grad_()
+    (o_ref[position] * w_ref[..., None]).sum(1).pow(2).sum().backward()
+    torch.testing.assert_close(o32.grad, o_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w32.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_gate_up_kernel_reads_gathered_rows_in_place():
+    """grouped_gate_up(x, w, counts, source) is grouped_gate_up(x[source], w, counts), bit for bit, and gives x the
+    gathered product's gradients (summed over a row read twice)."""
+    from ppo_logprobs.workers.models.grouped_gemm import grouped_gate_up
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(9, 24, generator=g).to(device)
+    gate_up = (torch.randn(3, 2 * 11, 24, generator=g) * 0.3).to(device)
+    source = torch.tensor([4, 0, 8, 4, 1, 2, 7, 3, 0, 5, 6], device=device)  # (rows 0 and 4 twice)
+    counts = [4, 0, 5, 2]  # (the last 2: no expert)
+    in_place = grouped_gate_up(x, gate_up, counts, source=source)
+    assert torch.equal(in_place, grouped_gate_up(x[source], gate_up, counts))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grouped_gate_up(xa, gate_up, counts, source=source).sum().backward()
+    grouped_gate_up(xb[source], gate_up, counts).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="counts sum to 11, the product has 10 rows"):
+        grouped_gate_up(x, gate_up, counts, source=source[:10])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
