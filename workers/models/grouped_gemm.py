@@ -10,11 +10,11 @@ differentiates the torch formula (grouped_linear, expert by expert): gradients n
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-from typing import NamedTuple
-
 from torch import Tensor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
