@@ -85,6 +85,23 @@ def test_results_equal_the_model_in_order(server, tiny):
     assert all("entropy" not in res for res in r.json()["results"])
 
 
+def test_the_ingress_replicas_and_weight_owners_import_no_torch(server):
+    """A process that holds only a pool's handles (an ingress replica, a pool's owner) loads neither torch nor
+    transformers: it starts in a fraction of the time and memory (the actor class of a handle it receives is
+    loaded with it, so that class imports them only when an actor is made)."""
+    def imported(_) -> tuple[bool, bool]:
+        import sys
+
+        return "torch" in sys.modules, "transformers" in sys.modules
+
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if "#LogProbsIngress#" in a["name"] or a["name"].endswith(":owner")]
+    assert sum("#LogProbsIngress#" in a["name"] for a in actors) == 4 and len(actors) == 8  # (4 pools' owners)
+    for a in actors:
+        handle = ray.get_actor(a["name"], namespace=a["namespace"])
+        assert ray.get(handle.__ray_call__.remote(imported), timeout=60) == (False, False), a["name"]
+
+
 def test_two_models_chosen_per_request(server, tiny, checkpoint):
     seqs = random_sequences(3, seed=21)
     for name, model in (("policy", tiny), ("reference", checkpoint[1])):

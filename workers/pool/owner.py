@@ -20,7 +20,6 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause, clip, non_finite
-from ..weights.transfer import BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +237,8 @@ class WeightOwner:
     async def _stream_from_peer(self, peer, worker, device: str, version: int) -> None:
         """The peer sends all its parameters to the worker in a group of two (one per rank, rank r to rank r, for
         tensor-parallel workers: both hold the same parts)."""
+        from ..weights.transfer import BUCKET_BYTES  # (here: the pool's handles alone import no torch)
+
         name = f"restore-{uuid.uuid4().hex[:12]}"
         spec = await peer.open_sender.remote(name, 2, "nccl" if device.startswith("cuda") else "gloo", 300.0)
         joined = staging(worker, "join_group").remote(spec, 1)

@@ -1,7 +1,7 @@
 """A tensor-parallel worker: N Ray actors (ranks) that hold one model's parts (models/tensor_parallel.py) and score
 together. Rank 0, the leader, is the worker its pool sees: every call it gets (scoring, staging, committing) it
 also sends to the other ranks, then runs its own part; the collectives inside the forward keep them in step. Each
-rank's actor (worker_pool.PoolWorker) holds a `RankGroup`, which coordinates its LogProbWorker with the others.
+rank's actor (pool_worker.PoolWorker) holds a `RankGroup`, which coordinates its LogProbWorker with the others.
 
 The ranks' process group (NCCL on CUDA, gloo on the CPU; its store served by the leader) is formed by the leader
 when it first scores, and formed again when a call finds it broken: a rank that died is restarted by Ray, reads its part

@@ -12,16 +12,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import os
-import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-import torch
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -40,16 +37,16 @@ from ..request import (
     with_mismatch,
 )
 from ..sharding import check_shardable
-from ..weights.keep import rank_copy
-from .log_prob_worker import LogProbWorker
 from .owner import NAMESPACE, STAGING, WeightOwner, actors
-from .rank_group import GROUP_TIMEOUT_S, RankGroup
-from .weight_sender import WeightSender
+
+if TYPE_CHECKING:
+    import torch
+
+    from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
 
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
-KEPT_WAIT_S = 600.0  # how long rank 0 of a tensor-parallel worker waits for the other ranks' local copies
 
 
 def _actor_name(pool: str, index: int) -> str:
@@ -59,116 +56,6 @@ def _actor_name(pool: str, index: int) -> str:
 def _rank_name(pool: str, index: int, rank: int) -> str:
     """A tensor-parallel worker's other rank (rank_group.py)."""
     return f"{_actor_name(pool, index)}:rank:{rank}"
-
-
-class PoolWorker:
-    """The pool's actor: a LogProbWorker (`worker`: the model, its forward, and its weights holder), and for one rank of
-    a tensor-parallel worker (`size` > 1) the RankGroup that runs each call on every rank (`ranks`). It keeps its
-    pool's placement group (so a pool attached by name, from a job whose namespace cannot see the group's name, can
-    still free it) and, when Ray restarts it, takes its weights from where its pool's owner says they are now.
-
-    Its remote methods are listed here, each handing the call to the part that answers it: the RankGroup where
-    there is one, else the LogProbWorker (scoring) or its WeightsHolder (updates). The staging calls return the
-    name of a staged tensor that is not finite when asked to check (see WeightsHolder)."""
-
-    scorer = LogProbWorker  # the class of `worker` (a test's may fail on purpose)
-
-    def __init__(self, model: str, *, placement=None, owner=None, rank: int = 0, size: int = 1, followers=None,
-                 group_timeout_s: float = GROUP_TIMEOUT_S, keep_dir: str | None = None, **options) -> None:
-        restore = None
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            restore = ray.get(owner.restore_spec.remote())
-        if size > 1:  # one rank of a tensor-parallel worker: its parts, and its own local copy (weights/keep.py)
-            options["shard"] = (rank, size)
-            keep_dir = keep_dir and f"{keep_dir}/rank{rank}"
-            if restore and restore.get("keep"):
-                restore["keep"] = rank_copy(restore["keep"], rank)
-        self.placement, self.owner, self.rank, self.size = placement, owner, rank, size
-        self.worker = self.scorer(model, restore=restore, keep_dir=keep_dir, on_kept=self._kept, **options)
-        self.ranks = RankGroup(self.worker, rank, size, followers, options.get("backend", "auto"),
-                               group_timeout_s) if size > 1 else None
-        self._scoring = self.ranks or self.worker  # who answers scoring calls
-        self._weights = self.ranks or self.worker.weights  # and weight calls
-
-    def score_request(self, request: ScoreRequest) -> ScoreResult:
-        return self._scoring.score_request(request)
-
-    def info(self) -> dict:
-        return self._scoring.info()
-
-    health = info
-
-    def devices(self) -> list[str]:
-        return self._scoring.devices()
-
-    def config(self) -> dict:
-        return self.worker.config()
-
-    def placement_group(self):
-        return self.placement
-
-    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None):
-        return self._weights.layout_for(shapes, full, group)
-
-    def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
-        return self._weights.stage_checkpoint(path, version, check)
-
-    def stage_stream(self, group: str, layout, version: int, bucket_bytes: int, check: bool = False) -> str | None:
-        return self._weights.stage_stream(group, layout, version, bucket_bytes, check)
-
-    def stage_shared(self, key: str, shared: list | None, layout, version: int, check: bool = False) -> str | None:
-        return self._weights.stage_shared(key, shared, layout, version, check)
-
-    def release_shared(self, key: str | None = None) -> None:
-        self._weights.release_shared(key)
-
-    def commit(self, version: int) -> int:
-        return self._weights.commit(version)
-
-    def abort(self, version: int) -> None:
-        self._weights.abort(version)
-
-    def join_group(self, spec, rank: int) -> None:
-        self._weights.join_group(spec, rank)
-
-    def leave_group(self, name: str) -> None:
-        self._weights.leave_group(name)
-
-    def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float):
-        return self._weights.open_sender(name, world_size, backend, timeout_s)
-
-    def send_weights(self, spec, layout=None) -> None:
-        self._weights.send_weights(spec, layout)
-
-    def remove_local_copy(self) -> None:
-        self._weights.remove_local_copy()
-
-    def join_ranks(self, spec, rank: int) -> int:
-        return self.ranks.join_ranks(spec, rank)
-
-    def followers_of(self) -> list[str]:
-        """A tensor-parallel worker's other ranks' actor names (in the pool's namespace)."""
-        return self.ranks.follower_names if self.ranks else []
-
-    def _kept(self, version: int, path: str) -> None:
-        """The owner hears of a copy once every rank's is whole (found beside rank 0's: keep.rank_copy)."""
-        if self.rank != 0:
-            return
-        others = [rank_copy(path, r) for r in range(1, self.size)]
-
-        def tell() -> None:
-            deadline = time.monotonic() + KEPT_WAIT_S
-            while not all(os.path.isdir(p) for p in others):
-                if time.monotonic() > deadline:
-                    log.warning("the ranks' local copies of version %d are not all there; not using them", version)
-                    return
-                time.sleep(0.5)
-            self.owner.kept.remote(version, path)
-
-        if others:
-            threading.Thread(target=tell, daemon=True).start()
-        else:
-            tell()
 
 
 def balance_by_tokens(lengths: np.ndarray, num_shares: int) -> list[np.ndarray]:
@@ -348,6 +235,8 @@ class WorkerPool:
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
+        from .pool_worker import PoolWorker  # (here: a process that only holds handles imports no torch)
+
         actor = ray.remote(concurrency_groups={STAGING: 1})(PoolWorker)  # updates stage beside scoring
 
         ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
@@ -480,6 +369,10 @@ class WorkerPool:
         streams an update through it. NCCL when this process has CUDA (`device`, default the current one) and the
         workers are on CUDA, gloo otherwise. Close it (or use `with`) when done. `allow_non_finite`: as in
         update_weights."""
+        import torch
+
+        from .weight_sender import WeightSender
+
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group_table
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, WeightsUnavailable, get
-from ppo_logprobs.workers.pool.worker_pool import PoolWorker
+from ppo_logprobs.workers.pool.pool_worker import PoolWorker
 from ppo_logprobs.workers.request import ScoreRequest
 from ppo_logprobs.workers.sharding import held_shard
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
