@@ -9,6 +9,7 @@ import json
 import math
 import os
 import queue
+import re
 import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -114,10 +115,60 @@ def read_index(path: str) -> dict[str, TensorSpec]:
     return index
 
 
-def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout, dict]:
-    """The checkpoint's tensors, their staging layout, and what each staged tensor is read from (see rank_parts:
-    a tensor-parallel rank reads its part of each); every refusal raised before any data is read."""
-    index = read_index(path)
+# HF's saved form of a mixture's experts, one tensor per expert and projection (transformers 5 fuses them when it
+# loads: a layer's `experts.gate_up_proj` [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]); Mixtral's
+# block is `block_sparse_moe` on disk (w1: gate, w3: up, w2: down)
+_ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+_EXPERT = re.compile(rf"^(.+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.({'|'.join(_ROLE)})\.weight$")
+_MIXTRAL_ROUTER = re.compile(r"^(.+)\.block_sparse_moe\.gate\.weight$")
+
+Pieces = dict[str, list[tuple[str, int]]]  # a fused parameter -> (a checkpoint tensor, its element offset in it)
+
+
+def _fused_experts(model: nn.Module, index: dict[str, TensorSpec]) -> tuple[dict[str, TensorSpec], Pieces]:
+    """The checkpoint's tensors as the model names them: per-expert tensors gathered into the model's fused
+    expert parameters (`pieces`: where each lands), Mixtral's router renamed. IncompatibleWeights names an
+    expert tensor that does not fit or a fused parameter some expert is missing from."""
+    params = dict(model.named_parameters())
+    renamed, pieces, found = {}, {}, {}
+    for name, spec in index.items():
+        m = _EXPERT.match(name)
+        router = _MIXTRAL_ROUTER.match(name)
+        if router and f"{router[1]}.mlp.gate.weight" in params:
+            renamed[f"{router[1]}.mlp.gate.weight"] = spec
+            continue
+        fused = m and f"{m[1]}.mlp.experts.{'down_proj' if _ROLE[m[3]] == 2 else 'gate_up_proj'}"
+        if not fused or fused not in params:
+            renamed[name] = spec
+            continue
+        experts, rows, cols = params[fused].shape
+        expert, role = int(m[2]), _ROLE[m[3]]
+        want = (rows // 2, cols) if role < 2 else (rows, cols)
+        if expert >= experts or tuple(spec.shape) != want:
+            raise IncompatibleWeights(f"{name!r} has shape {list(spec.shape)}; the model's {fused!r} "
+                                      f"{list(params[fused].shape)} takes [{want[0]}, {want[1]}] for each of "
+                                      f"{experts} experts")
+        offset = expert * rows * cols + (role == 1) * (rows // 2) * cols
+        pieces.setdefault(fused, []).append((name, offset))
+        found.setdefault(fused, set()).add((expert, role))
+    for fused, have in found.items():
+        experts = params[fused].shape[0]
+        want = {(e, r) for e in range(experts) for r in ((2,) if fused.endswith("down_proj") else (0, 1))}
+        if have != want:
+            e, r = min(want - have)
+            raise IncompatibleWeights(f"the checkpoint lacks expert {e}'s {('gate', 'up', 'down')[r]} projection of "
+                                      f"{fused!r}")
+        first = index[pieces[fused][0][0]]
+        renamed[fused] = TensorSpec(first.file, first.dtype, tuple(params[fused].shape), first.start, first.end)
+    return renamed, pieces
+
+
+def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec], Layout, dict, Pieces]:
+    """The checkpoint's tensors, their staging layout, what each staged tensor is read from (see rank_parts: a
+    tensor-parallel rank reads its part of each), and the pieces of fused expert parameters (read from one
+    tensor per expert); every refusal raised before any data is read."""
+    raw = read_index(path)
+    index, pieces = _fused_experts(model, raw)
     if _holds_parts(model, path):  # a tensor-parallel rank's local copy of its own parts
         parts = {name: (name, None) for name in index}
     else:
@@ -128,7 +179,7 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
         dtype = index[parts[entry.name][0]].dtype
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
-    return index, layout, parts
+    return {**raw, **index}, layout, parts, pieces  # (the experts' own tensors too: read_checkpoint reads them)
 
 
 def _holds_parts(model: nn.Module, path: str) -> bool:
@@ -170,15 +221,31 @@ def _read_range(fd: int, offset: int, out: memoryview) -> None:
 
 def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
     """Reads the whole checkpoint at `path` into a new staging buffer for `model` (commit() applies it)."""
-    index, layout, parts = check_checkpoint(model, path)
+    index, layout, parts, pieces = check_checkpoint(model, path)
     device = next(model.parameters()).device
     staged = StagedWeights(layout, device)
-    fds = {file: _open_regular(file) for file in {index[parts[e.name][0]].file for e in layout.entries}}
+    files = {index[parts[e.name][0]].file for e in layout.entries}
+    files |= {index[name].file for p in pieces.values() for name, _ in p}
+    fds = {file: _open_regular(file) for file in files}
     try:
         # (fd, file offset, bytes, source dtype, destination, columns): the destination is a flat slice of the
         # staged tensor, or rows of it when `columns` (the source's row length, the part's first column) is given
         jobs = []
+
+        def flat(spec: TensorSpec, start: int, dst: Tensor) -> None:
+            size = spec.dtype.itemsize
+            step = max(1, CHUNK_BYTES // size)
+            for lo in range(0, dst.numel(), step):
+                n = min(step, dst.numel() - lo)
+                jobs.append((fds[spec.file], start + lo * size, n * size, spec.dtype, dst[lo : lo + n], None))
+
         for entry in layout.entries:
+            if entry.name in pieces:  # one tensor per expert, each a block of the fused parameter
+                dst = staged.tensor(entry).view(-1)
+                for name, offset in pieces[entry.name]:
+                    spec = index[name]
+                    flat(spec, spec.start, dst[offset : offset + math.prod(spec.shape)])
+                continue
             source, part = parts[entry.name]
             spec = index[source]
             size = spec.dtype.itemsize
@@ -192,11 +259,7 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
                                  dst[lo : lo + n], (cols, part[1])))
                 continue
             start = spec.start + (part[1] * math.prod(spec.shape[1:]) * size if part is not None else 0)  # rows
-            dst = staged.tensor(entry).view(-1)
-            step = max(1, CHUNK_BYTES // size)
-            for lo in range(0, dst.numel(), step):
-                n = min(step, dst.numel() - lo)
-                jobs.append((fds[spec.file], start + lo * size, n * size, spec.dtype, dst[lo : lo + n], None))
+            flat(spec, start, staged.tensor(entry).view(-1))
         cuda = staged.device.type == "cuda"
         slots = pinned_slots(staged.device) if cuda else None
 

@@ -171,3 +171,58 @@ def test_the_first_non_finite_staged_tensor_is_named(monkeypatch, bad, device):
     if bad is not None:
         staged.tensor(layout.entries[1])[16] = bad
     assert staged.first_non_finite() == (None if bad is None else "b")
+
+
+MOE = {  # family: (config, model, extra config) of a tiny mixture of experts
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=24)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=24,
+                                                               shared_expert_intermediate_size=40)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=24)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, intermediate_size=24)),
+}
+
+
+def tiny_moe(family: str, seed: int):
+    import transformers
+
+    config_name, model_name, extra = MOE[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=256, num_experts_per_tok=2, **extra)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_a_mixtures_checkpoint_as_hf_saves_it_updates_the_fused_experts(family, tmp_path):
+    """save_pretrained writes one tensor per expert and projection (Mixtral's under block_sparse_moe, w1/w3/w2);
+    transformers fuses them into [E, 2I, H] and [E, H, I] when it loads. An update from such a checkpoint lands
+    in the fused parameters bit for bit, as HF's own loading puts them."""
+    new = tiny_moe(family, 1)
+    new.save_pretrained(tmp_path)
+    model = tiny_moe(family, 0)
+    staged = read_checkpoint(model, str(tmp_path))
+    staged.commit(model)
+    want = params(new)
+    assert params(model).keys() == want.keys()
+    for name, p in params(model).items():
+        assert torch.equal(p, want[name]), name
+
+
+def test_a_mixtures_checkpoint_missing_an_expert_or_with_a_wrong_one_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_moe("qwen3_moe", 1).save_pretrained(tmp_path / "whole")
+    tensors = load_file(tmp_path / "whole" / "model.safetensors")
+    model = tiny_moe("qwen3_moe", 0)
+    for case, change in (("missing", lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight")),
+                         ("wrong", lambda t: t.update({"model.layers.0.mlp.experts.2.down_proj.weight":
+                                                       torch.zeros(32, 23)}))):
+        broken = dict(tensors)
+        change(broken)
+        (tmp_path / case).mkdir()
+        save_file(broken, tmp_path / case / "model.safetensors")
+        message = ("lacks expert 3's up projection of 'model.layers.1.mlp.experts.gate_up_proj'" if case == "missing"
+                   else r"'model.layers.0.mlp.experts.2.down_proj.weight' has shape \[32, 23\]")
+        with pytest.raises(IncompatibleWeights, match=message):
+            read_checkpoint(model, str(tmp_path / case))
