@@ -276,8 +276,45 @@ def run_mode(args) -> list[dict]:
     return rows
 
 
+def answer_sizes(out: str | None) -> None:
+    """Bytes per scored token of /logprobs answers, JSON and BINARY, plain and with top-k or candidates: real
+    answers of a model with a 151,936-token vocabulary (ids as long as a Qwen's; random weights, small body, the
+    torch head on the CPU) encoded as the route encodes them, 8 sequences of 512 tokens."""
+    import torch
+    import transformers
+
+    from ppo_logprobs.workers import LogProbWorker, patch_model
+    from ppo_logprobs.workers.request import ScoreRequest
+    from ppo_logprobs.workers.wire import encode_binary, encode_json
+
+    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    worker = LogProbWorker(patch_model(transformers.Qwen2ForCausalLM(config).eval(), backend="torch"))
+    seqs = requests_of(4096, 1, config.vocab_size, seed=5)[0][:8]
+    candidates = np.random.default_rng(6).integers(0, config.vocab_size, 16).tolist()
+    rows = []
+    for case, extra in (("plain", {}), ("top-1", dict(top_k=1)), ("top-20", dict(top_k=20)),
+                        ("top-64", dict(top_k=64)), ("16 candidate ids", dict(token_ids=candidates))):
+        request = ScoreRequest.build(seqs, 1, 1.0, True, vocab_size=config.vocab_size, max_length=4096, **extra)
+        result = worker.score_request(request)
+        header = {"model": "policy", "weights_version": 0, "usage": {"sequences": len(seqs)}}
+        scored = int(result.offsets[-1])
+        sizes = {name: len(encode(header, result.log_probs, result.entropy, result.offsets, result.extras(),
+                                  request.candidate_counts())) / scored
+                 for name, encode in (("json", encode_json), ("binary", encode_binary))}
+        rows.append(dict(case=case, scored_tokens=scored, json_bytes_per_token=sizes["json"],
+                         binary_bytes_per_token=sizes["binary"]))
+        print(f"{case:>18} {sizes['json']:9.1f} {sizes['binary']:9.1f}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--answer-sizes", action="store_true",
+                        help="only bytes per scored token of answers (JSON, BINARY; plain, top-k, candidates)")
     parser.add_argument("--model", default=DEFAULTS.models["policy"])
     parser.add_argument("--dtype")
     parser.add_argument("--workers", type=int, default=DEFAULTS.workers_per_model,
@@ -291,6 +328,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.answer_sizes:
+        answer_sizes(args.out)
+        return
     if len(args.ingress) == 1 and os.environ.get("_BENCH_GATEWAY_CHILD"):
         args.ingress = args.ingress[0]
         print("ROWS " + json.dumps(run_mode(args)), flush=True)
