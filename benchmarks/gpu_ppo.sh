@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issues 20-24 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
-# (the default) and "big15 model sync prefix prefixpool invariance topk moe gputests" (asked by name). FAST15=0 skips the
+# (the default) and "big15 model sync prefix prefixpool invariance topk moe moesweep moeinv gputests" (by name). FAST15=0 skips the
 # 1.5B loop's fast-mode run. Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -64,6 +64,13 @@ if has topk; then  # issue 23: top-k and candidates from the fused head against 
 fi
 if has moe; then  # issue 24: the Qwen3-30B-A3B shape against HF's experts
   timeout ${MOE_S:-400} python3 benchmarks/bench_moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | quiet | tail -5
+fi
+if has moesweep; then  # issue 24: one expert layer's kernels under several tilings, beside torch._grouped_mm
+  timeout ${MOESWEEP_S:-150} python3 benchmarks/bench_moe.py --sweep 2>&1 | tee "$OUT/moe_sweep.log" | quiet | tail -20
+fi
+if has moeinv; then  # issue 24: the invariance study on the MoE shape (invariant mode; no pool: no 61 GB checkpoint)
+  timeout ${MOEINV_S:-400} python3 benchmarks/bench_invariance.py --model qwen3-30b-a3b --modes invariant \
+    --sequences ${SEQS:-200} --out "$OUT/invariance_moe.json" 2>&1 | tee "$OUT/invariance_moe.log" | quiet | tail -8
 fi
 if has gputests; then  # every GPU-marked test
   timeout ${GPUTESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gputests.log" | tail -4
