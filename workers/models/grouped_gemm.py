@@ -132,16 +132,6 @@ def _sizes(counts: list[int] | Tensor) -> list[int]:
     return counts.tolist() if isinstance(counts, Tensor) else list(counts)
 
 
-def _grouped_weight_grad(x: Tensor, grad: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Tensor:
-    d_w = torch.zeros_like(weight)
-    lo = 0
-    for e, n in enumerate(_sizes(counts)[: weight.shape[0]]):
-        if n:
-            d_w[e] = grad[lo : lo + n].T @ x[lo : lo + n]
-        lo += n
-    return d_w
-
-
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
