@@ -163,7 +163,8 @@ class LogProbWorker:
     def weights_version(self) -> int | None:
         return self.weights.version
 
-    def update_weights(self, weights: dict | str, version: int, *, allow_non_finite: bool = False) -> int:
+    def update_weights(self, weights: dict | str | os.PathLike, version: int, *,
+                       allow_non_finite: bool = False) -> int:
         """See WeightsHolder.update_weights."""
         return self.weights.update_weights(weights, version, allow_non_finite=allow_non_finite)
 

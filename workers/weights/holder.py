@@ -4,6 +4,7 @@ committed or aborted on the pool owner's word; a worker can also stream its own 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -94,6 +95,14 @@ class WeightsHolder:
 
     def stage_tensors(self, tensors: dict[str, torch.Tensor], version: int, check: bool = False) -> str | None:
         """An in-process update (a plain worker, tests): the given tensors, checked, copied to staging."""
+        if not isinstance(tensors, dict):
+            raise IncompatibleWeights(f"an update is a checkpoint path or a dict of tensors, not "
+                                      f"{type(tensors).__name__}")
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise IncompatibleWeights(f"{name!r} is {what} in the update; the model's parameters are floating "
+                                          "point")
         _, layout, parts = self._plan({n: tuple(t.shape) for n, t in tensors.items()}, full=False)
         staged = StagedWeights(layout, self._device)
         for entry in layout.entries:
@@ -175,10 +184,12 @@ class WeightsHolder:
         if self._staged is not None and self._staged[0] == version:
             self._staged = None
 
-    def update_weights(self, weights: dict | str, version: int, *, allow_non_finite: bool = False) -> int:
+    def update_weights(self, weights: dict | str | os.PathLike, version: int, *, allow_non_finite: bool = False) -> int:
         """Stages and commits at once (a plain worker used in one process): a checkpoint path or a dict of tensors,
         full or partial; IncompatibleWeights (NonFiniteWeights for NaN or inf, unless allowed) or InvalidCheckpoint
         before anything changes."""
+        if isinstance(weights, os.PathLike):
+            weights = os.fspath(weights)
         stage = self.stage_checkpoint if isinstance(weights, str) else self.stage_tensors
         if (name := stage(weights, version, check=not allow_non_finite)) is not None:
             self.abort(version)

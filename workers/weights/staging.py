@@ -66,11 +66,14 @@ def match_model(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, full: b
     Raises IncompatibleWeights naming the first difference: a name the model lacks, a shape that differs, or
     (full=True) a parameter the update lacks. Tied parameters are one parameter under several names.
     """
+    if not shapes:
+        raise IncompatibleWeights(f"{what} holds no tensors")
     params = dict(model.named_parameters(remove_duplicate=False))
     unknown = [n for n in shapes if n not in params]
     if unknown:
         mine, theirs = _layers(params), _layers(shapes)
-        layers = f"; {what} has {theirs} layers, the model {mine}" if theirs != mine else ""
+        # (a partial update may well hold fewer layers than the model: no hint then)
+        layers = f"; {what} has {theirs} layers, the model {mine}" if theirs > mine or full and theirs != mine else ""
         raise IncompatibleWeights(
             f"{what} has {len(unknown)} tensors the model does not, e.g. {unknown[0]!r}{layers}"
         )
