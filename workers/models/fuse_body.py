@@ -29,6 +29,7 @@ _NORMS = {f"{f.prefix}RMSNorm": f.norm for f in FAMILIES.values() if f.norm}  # 
 # sliding window they pass to the attention function comes from: the module, its config, or nowhere
 _ATTENTIONS = {f"{f.prefix}Attention": f.window for f in FAMILIES.values() if f.window}
 _EXPERTS = {f"{f.prefix}Experts" for f in FAMILIES.values() if f.experts}  # MoE experts: models/experts.py
+_MLPS = {f"{f.prefix}MLP" for f in FAMILIES.values()}  # (those with gate/up/down and SiLU: silu_mul.py)
 
 
 def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
@@ -72,7 +73,7 @@ def _fusable(model: nn.Module):
             forward = partial(_attention_forward, window=_ATTENTIONS[name])
         elif name in _EXPERTS:
             forward = experts_forward
-        elif (all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
+        elif (name in _MLPS and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
             forward = _mlp_forward
         else:

@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..errors import TooLarge, WeightsUnavailable
+from ..errors import CheckpointNotFound, InvalidCheckpoint, TooLarge, WeightsUnavailable
 from ..models import load_model, varlen_attention
 from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
@@ -104,7 +104,7 @@ def restored(restore: dict, **load_options) -> tuple[torch.nn.Module, int | None
     if path == "tiny" or (path and os.path.isdir(path)):
         try:
             return load_model(path, **load_options), version
-        except OSError:  # deleted meanwhile
+        except (OSError, CheckpointNotFound, InvalidCheckpoint):  # deleted meanwhile
             log.warning("checkpoint %s is gone", path)
     model = load_model("", config=restore["config"], **load_options)
     if keep and os.path.isdir(keep):

@@ -132,7 +132,9 @@ def test_load_round_trips_through_save_pretrained(tmp_path):
 
 
 def test_load_never_fetches(tmp_path):
-    with pytest.raises(OSError):
+    from ppo_logprobs.workers.errors import CheckpointNotFound
+
+    with pytest.raises(CheckpointNotFound, match="no-such-model"):
         load_model(str(tmp_path / "no-such-model"))
 
 
