@@ -39,7 +39,9 @@ class TileConfig:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs kernels in its interpreter: TRITON_INTERPRET as Triton reads it (1, true, on, yes)."""
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def tile_config(dtype: torch.dtype) -> TileConfig:

@@ -29,9 +29,9 @@ def no_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-@pytest.fixture
-def interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.fixture(params=["1", "true", "on"])
+def interpreter(monkeypatch, request):
+    monkeypatch.setenv("TRITON_INTERPRET", request.param)  # (every spelling Triton itself takes)
 
 
 @pytest.mark.parametrize("device", CUDA)
@@ -62,7 +62,7 @@ def test_triton_off_cuda_runs_under_the_interpreter(device, interpreter):
 
 
 @pytest.mark.parametrize("device", OFF_CUDA)
-@pytest.mark.parametrize("setting", [None, "0", ""])
+@pytest.mark.parametrize("setting", [None, "0", "", "false"])
 def test_triton_off_cuda_without_the_interpreter_is_refused_naming_the_device(device, setting, monkeypatch):
     if setting is None:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
