@@ -87,3 +87,15 @@ def scoring_now(worker, timeout_s: float = 120.0) -> None:
     while not ray.get(worker.__ray_call__.options(concurrency_group="staging").remote(lambda w: w.worker.scoring)):
         assert time.monotonic() < deadline, "the worker did not start scoring"
         time.sleep(0.005)
+
+def kept_calls():
+    """(calls, done, on_kept): an on_kept callback for a local copy that records (version, path) and sets done."""
+    import threading
+
+    calls, done = [], threading.Event()
+
+    def on_kept(version, path):
+        calls.append((version, path))
+        done.set()
+
+    return calls, done, on_kept

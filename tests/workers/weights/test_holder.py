@@ -4,7 +4,6 @@ a restarted worker's rule (all its weights or none); layout_for; a tensor-parall
 Streams and shared tensors need a process group or CUDA (test_transfer.py and the pool's tests)."""
 
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from ppo_logprobs.workers.models.tensor_parallel import shard_of
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
 from ppo_logprobs.workers.weights.holder import WeightsHolder
 
-from ...helpers import perturbed, save
+from ...helpers import kept_calls, perturbed, save
 
 DOWN = "model.layers.1.mlp.down_proj.weight"
 NORM = "model.norm.weight"
@@ -311,16 +310,6 @@ def test_shared_tensors_laid_out_for_another_model_are_refused():
             holder.stage_shared("key", [], layout, 1)
     with pytest.raises(UpdateFailed, match="no staged weights of version 1"):
         holder.commit(1)
-
-
-def kept_calls():
-    calls, done = [], threading.Event()
-
-    def on_kept(version, path):
-        calls.append((version, path))
-        done.set()
-
-    return calls, done, on_kept
 
 
 def test_committed_checkpoints_are_kept_as_links_and_only_the_newest(tmp_path):

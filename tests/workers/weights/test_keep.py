@@ -3,7 +3,6 @@ checkpoint, nothing of streams unless asked, and a writer that writes the newest
 
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
 from ppo_logprobs.workers.weights.keep import LocalCopy, write_safetensors
 from ppo_logprobs.workers.weights.staging import Layout
 
-from ...helpers import perturbed, save
+from ...helpers import kept_calls, perturbed, save
 
 
 def test_the_writer_gives_what_safetensors_and_our_reader_read_back(tmp_path):
@@ -33,16 +32,6 @@ def test_the_writer_gives_what_safetensors_and_our_reader_read_back(tmp_path):
     assert set(back) == set(tensors)
     for name, t in tensors.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
-
-
-def kept_calls():
-    calls, done = [], threading.Event()
-
-    def on_kept(version, path):
-        calls.append((version, path))
-        done.set()
-
-    return calls, done, on_kept
 
 
 def test_checkpoints_are_linked_and_streams_not_kept_by_default(tmp_path):
