@@ -121,15 +121,12 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Ten
     expert) give zeros."""
     out = x.new_zeros(x.shape[0], weight.shape[1])
     lo = 0
-    for e, n in enumerate(_sizes(counts)[: weight.shape[0]]):
+    sizes = counts.tolist() if isinstance(counts, Tensor) else counts
+    for e, n in enumerate(sizes[: weight.shape[0]]):
         if n:
             out[lo : lo + n] = x[lo : lo + n] @ weight[e].T
         lo += n
     return out
-
-
-def _sizes(counts: list[int] | Tensor) -> list[int]:
-    return counts.tolist() if isinstance(counts, Tensor) else list(counts)
 
 
 class _GroupedGemm(torch.autograd.Function):

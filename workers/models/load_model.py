@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ..errors import CheckpointNotFound, InvalidCheckpoint, clip
+from ..errors import InvalidCheckpoint, clip
 from ..head import Backend
-from ..weights.checkpoint import read_checkpoint
+from ..weights.checkpoint import checkpoint_dir, read_checkpoint
 from .patch_model import allow_split_k, patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
@@ -55,10 +53,7 @@ def load_model(
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())
     if config is None and name_or_path != "tiny":  # (HF would also look in its cache, and blame the network)
-        if not os.path.isdir(name_or_path):
-            raise CheckpointNotFound(f"no checkpoint directory at {clip(str(name_or_path), 200)!r} (models are read "
-                                     "from local directories only)")
-        if not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        if not (checkpoint_dir(str(name_or_path)) / "config.json").is_file():
             raise InvalidCheckpoint(f"{clip(str(name_or_path), 200)!r} has no config.json")
     built = None  # a config to build from: a config's dict, or a directory's config when only parts are read
     if config is not None:

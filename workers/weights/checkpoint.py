@@ -87,17 +87,23 @@ def _read_header(file: Path) -> dict[str, TensorSpec]:
     return specs
 
 
+def checkpoint_dir(path: str) -> Path:
+    """The directory at `path`; CheckpointNotFound when there is none (or it cannot be read)."""
+    try:
+        if "\x00" not in path and Path(path).is_dir():
+            return Path(path)
+    except OSError as e:
+        raise CheckpointNotFound(f"cannot read the checkpoint directory {clip(path, 200)!r}: {e.strerror}") from None
+    raise CheckpointNotFound(f"no checkpoint directory at {clip(path, 200)!r}")
+
+
 def read_index(path: str) -> dict[str, TensorSpec]:
     """Every tensor of the checkpoint directory at `path`, from its shards' headers (no tensor data is read).
 
     Raises CheckpointNotFound (no such directory) or InvalidCheckpoint (no shards, bad header, truncated shard).
     """
-    if "\x00" in path:
-        raise CheckpointNotFound(f"no checkpoint directory at {clip(path, 200)!r}")
-    root = Path(path)
+    root = checkpoint_dir(path)
     try:
-        if not root.is_dir():
-            raise CheckpointNotFound(f"no checkpoint directory at {clip(path, 200)!r}")
         files = sorted(root.glob("*.safetensors"))
     except OSError as e:
         raise CheckpointNotFound(f"cannot read the checkpoint directory {clip(path, 200)!r}: {e.strerror}") from None
