@@ -6,12 +6,19 @@ given) and folds them into fp32 online statistics per token:
   m = running max, s = sum exp(z - m), w = sum exp(z - m) * (z - m), and z[label] when the label is here.
 A small combine kernel merges the splits in a fixed order and gives log_prob, entropy and lse.
 The number of splits depends on V only, so a token's result never depends on how many tokens share the call.
+
+A top-k takes a second, small pass instead of sorting every tile. The first pass also stores each (token, tile)'s
+largest logit and mass. A token's top k lie in the k tiles with the largest maxima (ties to the lower tile): any
+other tile's best logit is below k logits of those tiles. The second pass recomputes only those k tiles of each
+token (k / num_tiles of the GEMM), grouped by tile so that each weight tile is read once for all its tokens, and
+keeps each tile's logits at or above the k-th tile maximum. The combine merges them; the tail is a sum of positive
+masses (the other tiles', the rest of the chosen tiles'), never 1 minus the top mass.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import triton
@@ -24,6 +31,7 @@ from .torch_log_probs import Extras
 LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
 _PAD_LOGIT = tl.constexpr(-1.0e30)
+TOP_K_WORKSPACE = 1 << 30  # bytes a top-k call may hold for its per-tile statistics and chosen tiles' lists
 
 
 @dataclass(frozen=True)
@@ -174,10 +182,10 @@ def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[obje
 def _triton_log_probs_forward_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
-    part_keys_ptr, part_tail_ptr, candidates_ptr, candidate_logit_ptr, C,
+    tile_key_ptr, tile_max_ptr, tile_sum_ptr, candidates_ptr, candidate_logit_ptr, C,
     N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits, softcap,
     SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr,
+    USE_TMA: tl.constexpr, TILE_STATS: tl.constexpr, CANDIDATES: tl.constexpr,
     GROUP_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), num_splits, GROUP_R)
@@ -191,11 +199,9 @@ def _triton_log_probs_forward_kernel(
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     w = tl.zeros([BLOCK_N], dtype=tl.float32)
     z_label = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if TOP_K > 0:  # this split's TOP_K largest logits as keys, and sum exp(z - m) of all its others
-        best = _no_keys(BLOCK_N, TOP_K)
-        tail = tl.zeros([BLOCK_N], dtype=tl.float32)
+    num_tiles = tl.cdiv(V, BLOCK_V)
     tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     for t in range(tile_lo, tile_hi):
         cols = t * BLOCK_V + tl.arange(0, BLOCK_V)
         acc = _logits_tile(hidden, weight, rb * BLOCK_N, t * BLOCK_V, rows_in, cols % V, H, stride_hn, stride_wv,
@@ -203,25 +209,21 @@ def _triton_log_probs_forward_kernel(
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
         z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
-        m_new = tl.maximum(m, tl.max(z, axis=1))
+        z_max = tl.max(z, axis=1)
+        m_new = tl.maximum(m, z_max)
         d = z - m_new[:, None]
         p = tl.exp2(d * LOG2E)
         alpha = tl.exp2((m - m_new) * LOG2E)
         if COMPUTE_ENTROPY:
             ## NB: w is kept relative to the running max, so it stays small when logits are in the thousands.
             w = alpha * (w + (m - m_new) * s) + tl.sum(p * d, axis=1)
-        s = alpha * s + tl.sum(p, axis=1)
-        if TOP_K > 0:
-            ## NB: the tail sums exactly the logits that leave (or never enter) the top list, so its mass is never
-            # a difference of two sums (1 - top mass cancels when the top tokens hold nearly all of it).
-            keys = _order_keys(z, cols[None, :] + tl.zeros([BLOCK_N, BLOCK_V], tl.int32))
-            more = keys if BLOCK_V == TOP_K else tl.topk(keys, TOP_K)
-            merged = _merge_top(best, more, TOP_K)
-            floor = tl.min(merged, axis=1)[:, None]  # (keys are unique: below it is out)
-            left = tl.exp2((_key_logit(best) - m_new[:, None]) * LOG2E)
-            tail = alpha * tail + tl.sum(tl.where(keys < floor, p, 0.0), axis=1) \
-                + tl.sum(tl.where(best < floor, left, 0.0), axis=1)
-            best = merged
+        p_sum = tl.sum(p, axis=1)
+        s = alpha * s + p_sum
+        if TILE_STATS:  # for a top-k: the tile's largest logit (keyed by the tile), and its mass exp(z - m_new)
+            at = rows.to(tl.int64) + t * N  # (t * N < 2**31: the workspace bounds it)
+            tl.store(tile_key_ptr + at, _order_keys(z_max, tl.zeros([BLOCK_N], tl.int32) + t), mask=row_ok)
+            tl.store(tile_max_ptr + at, m_new, mask=row_ok)
+            tl.store(tile_sum_ptr + at, p_sum, mask=row_ok)
         m = m_new
         here = (labels >= t * BLOCK_V) & (labels < t * BLOCK_V + BLOCK_V)
         if tl.max(here.to(tl.int32), axis=0) > 0:
@@ -241,18 +243,60 @@ def _triton_log_probs_forward_kernel(
         tl.store(part_wsum_ptr + part, w, mask=row_ok)
     mine = row_ok & (labels >= tile_lo * BLOCK_V) & (labels < tile_hi * BLOCK_V)
     tl.store(label_logit_ptr + rows, z_label, mask=mine)
-    if TOP_K > 0:
-        tl.store(part_tail_ptr + part, tail, mask=row_ok)
-        offs_k = tl.arange(0, TOP_K)
-        tl.store(part_keys_ptr + part[:, None] * TOP_K + offs_k[None, :], best, mask=row_ok[:, None])
+
+
+@triton.jit
+def _triton_top_tiles_kernel(
+    hidden, weight, inv_temp_ptr, pair_ptr, tile_ptr, start_ptr, end_ptr, top_tiles_ptr,
+    pair_keys_ptr, pair_rest_ptr, V, H, stride_hn, stride_wv, k_tiles, softcap,
+    SOFTCAP: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, TOP_K: tl.constexpr,
+    EVERY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """The second pass of a top-k: one vocabulary tile for BLOCK_N (token, tile) pairs that chose it.
+
+    Per pair: the tile's logits at or above the token's k-th tile maximum, at most TOP_K of them, as keys in
+    descending order (at least the tile's largest, so that k chosen tiles always give k entries); and the mass
+    exp(z - row max) of the tile's other logits. The logits are computed as the first pass computed them."""
+    tile = tl.load(tile_ptr + tl.program_id(0)).to(tl.int64)
+    at = tl.load(start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_N)
+    ok = at < tl.load(end_ptr + tl.program_id(0))
+    if tile < 0:  # (a spare program of a grid sized for the worst case)
+        return
+    pair = tl.load(pair_ptr + at, mask=ok, other=0)
+    rows = pair // k_tiles
+    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    acc = _logits_tile(hidden, weight, 0, 0, rows, cols % V, H, stride_hn, stride_wv,
+                       BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, False)
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    inv_t = tl.load(inv_temp_ptr + rows)
+    z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)
+    keys = _order_keys(z, cols[None, :] + tl.zeros([BLOCK_N, BLOCK_V], tl.int32))
+    first = rows.to(tl.int64) * k_tiles
+    low = (tl.load(top_tiles_ptr + first + k_tiles - 1) >> 32) << 32  # the least key of the k-th tile max's value
+    if EVERY:  # fewer tiles than k: every tile is chosen and keeps its TOP_K largest
+        low = tl.full([BLOCK_N], -(2**63), tl.int64)
+    take = tl.minimum(tl.maximum(tl.sum((keys >= low[:, None]).to(tl.int32), axis=1), 1), TOP_K)
+    offs = tl.arange(0, TOP_K)
+    best = _no_keys(BLOCK_N, TOP_K)
+    taken = tl.full([BLOCK_N, BLOCK_V], -(2**63), tl.int64)  # (below every key)
+    for i in range(0, tl.max(tl.where(ok, take, 0), axis=0)):
+        top = tl.max(keys, axis=1)
+        now = i < take
+        best = tl.where((offs[None, :] == i) & now[:, None], top[:, None], best)
+        keys = tl.where((keys == top[:, None]) & now[:, None], taken, keys)
+    m = _key_logit(tl.load(top_tiles_ptr + first))  # the row's largest logit
+    rest = tl.sum(tl.where(keys != taken, tl.exp2((z - m[:, None]) * LOG2E), 0.0), axis=1)
+    tl.store(pair_keys_ptr + pair[:, None].to(tl.int64) * TOP_K + offs[None, :], best, mask=ok[:, None])
+    tl.store(pair_rest_ptr + pair, rest, mask=ok)
 
 
 @triton.jit
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
-    part_keys_ptr, part_tail_ptr, top_log_probs_ptr, top_ids_ptr, tail_ptr, k,
-    candidates_ptr, candidate_logit_ptr, C,
+    pair_keys_ptr, pair_rest_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr, num_tiles, k_tiles,
+    top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
     COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -279,23 +323,29 @@ def _triton_combine_splits_kernel(
     tl.store(lse_ptr + rows, lse, mask=ok)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
-    if TOP_K > 0:  # the splits' lists merged in split order: the k largest, and all the rest into the tail
+    if TOP_K > 0:  # the chosen tiles' lists merged in order: the k largest; all the rest into the tail
         offs_k = tl.arange(0, TOP_K)
         sentinel = _no_keys(BLOCK, TOP_K)
         best = sentinel
-        for i in range(num_splits):
-            keys = tl.load(part_keys_ptr + (i * N + rows)[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
+        for j in range(k_tiles):
+            keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K + offs_k[None, :],
                            mask=ok[:, None], other=sentinel)
             best = _merge_top(best, keys, TOP_K)
         floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)[:, None]  # the k-th largest
+        ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
+        # tokens hold nearly all of it).
         tail = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(num_splits):
-            m_i = tl.load(part_max_ptr + i * N + rows, mask=ok, other=_PAD_LOGIT)
-            keys = tl.load(part_keys_ptr + (i * N + rows)[:, None].to(tl.int64) * TOP_K + offs_k[None, :],
-                           mask=ok[:, None], other=sentinel)
+        kth_key = tl.load(top_tiles_ptr + rows.to(tl.int64) * k_tiles + k_tiles - 1, mask=ok, other=0)
+        for t in range(num_tiles):  # the tiles not chosen
+            at = rows.to(tl.int64) + t * N
+            chosen = tl.load(tile_key_ptr + at, mask=ok, other=0) >= kth_key
+            m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
+            tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
+        for j in range(k_tiles):  # the chosen tiles' logits past their lists, and those of their lists below the k-th
+            at = rows.to(tl.int64) * k_tiles + j
+            keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :], mask=ok[:, None], other=sentinel)
             rest = tl.where(keys < floor, tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E), 0.0)
-            tail += tl.exp2((m_i - m) * LOG2E) * tl.load(part_tail_ptr + i * N + rows, mask=ok, other=0.0) \
-                + tl.sum(rest, axis=1)
+            tail += tl.load(pair_rest_ptr + at, mask=ok, other=0.0) + tl.sum(rest, axis=1)
         top = ok[:, None] & (offs_k[None, :] < k)
         at = rows[:, None].to(tl.int64) * k + offs_k[None, :]
         kept = ~ignored[:, None]
@@ -308,6 +358,22 @@ def _triton_combine_splits_kernel(
             z_c = tl.load(candidate_logit_ptr + rows.to(tl.int64) * C + c, mask=ok, other=0.0)
             tl.store(candidate_logit_ptr + rows.to(tl.int64) * C + c,
                      tl.where(ignored | (ids < 0), 0.0, z_c - lse), mask=ok)
+
+
+def group_schedule(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For a grouped launch over `rows` rows sorted by group (counts[g] rows in group g), per program: its group
+    (-1 for the spare programs of a grid sized for the worst case, so that no count is read back to the host), its
+    first row and the end of its group's rows. Built on the device."""
+    tiles = (counts + block_m - 1) // block_m
+    last = torch.cumsum(tiles, 0)
+    grid = triton.cdiv(rows, block_m) + len(counts)  # (at least sum(tiles))
+    program = torch.arange(grid, device=counts.device)
+    group = torch.searchsorted(last, program, right=True)
+    known = group.clamp(max=len(counts) - 1)
+    ends = torch.cumsum(counts, 0)
+    start = ends[known] - counts[known] + (program - last[known] + tiles[known]) * block_m
+    spare = group == len(counts)
+    return group.masked_fill(spare, -1), start, torch.where(spare, start, ends[known])  # (spares: no rows)
 
 
 def top_width(k: int) -> int:
@@ -331,7 +397,8 @@ def triton_log_probs_forward(
     """Returns (log_probs [N], entropy [N] or None, lse [N]), all fp32, ignored tokens giving 0, and the Extras
     asked for (see torch_log_probs.Extras): `top_k` > 0, `candidates` [N, C] (int64 ids; negative: none here).
     A tile holds at least a top list: for a top-k wider than the dtype's tiles, the tiles widen (the log-probs may
-    then differ in the last bits from a call without it)."""
+    then differ in the last bits from a call without it). A top-k call longer than its workspace allows runs in
+    row chunks (a row's result does not depend on them)."""
     n, h = hidden.shape
     v = weight.shape[0]
     cfg = config or tile_config(hidden.dtype)
@@ -339,19 +406,34 @@ def triton_log_probs_forward(
     if width > cfg.block_v:
         cfg = replace(cfg, block_v=width)
     num_tiles = triton.cdiv(v, cfg.block_v)
+    k_tiles = min(top_k, num_tiles)
+    per_row = num_tiles * 16 + k_tiles * (8 * width + 12)  # (bytes of a row's tile statistics and chosen tiles)
+    chunk = max(cfg.block_n, TOP_K_WORKSPACE // per_row // cfg.block_n * cfg.block_n)
+    if top_k and n > chunk:
+        parts = [triton_log_probs_forward(
+            hidden[i:i + chunk], weight, labels[i:i + chunk], inv_temp[i:i + chunk], ignore_index=ignore_index,
+            compute_entropy=compute_entropy, softcap=softcap, config=cfg, top_k=top_k,
+            candidates=None if candidates is None else candidates[i:i + chunk]) for i in range(0, n, chunk)]
+        log_probs, entropy, lse = (None if parts[0][j] is None else torch.cat([part[j] for part in parts])
+                                   for j in range(3))
+        extras = Extras(**{f.name: None if getattr(parts[0][3], f.name) is None
+                           else torch.cat([getattr(part[3], f.name) for part in parts]) for f in fields(Extras)})
+        return log_probs, entropy, lse, extras
+
     tiles_per_split = triton.cdiv(num_tiles, cfg.num_splits)
     num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no empty split
     f32 = dict(dtype=torch.float32, device=hidden.device)
+    i64 = dict(dtype=torch.int64, device=hidden.device)
     part_max, part_sum = torch.empty(2, num_splits, n, **f32)
     part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
     label_logit = torch.empty(n, **f32)
     extras = Extras()
-    part_keys = part_tail = label_logit  # (placeholders where not asked for)
+    tile_key = tile_max = tile_sum = label_logit  # (placeholders where not asked for)
     if top_k:
-        part_keys = torch.empty(num_splits, n, width, dtype=torch.int64, device=hidden.device)
-        part_tail = torch.empty(num_splits, n, **f32)
+        tile_key = torch.empty(num_tiles, n, **i64)
+        tile_max, tile_sum = torch.empty(2, num_tiles, n, **f32)
         extras.top_log_probs = torch.empty(n, top_k, **f32)
-        extras.top_ids = torch.empty(n, top_k, dtype=torch.int64, device=hidden.device)
+        extras.top_ids = torch.empty(n, top_k, **i64)
         extras.tail_log_prob = torch.empty(n, **f32)
     num_candidates = 0
     if candidates is not None:
@@ -364,21 +446,38 @@ def triton_log_probs_forward(
     h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
         h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
-        part_keys, part_tail, cand_ids, cand_out, num_candidates,
+        tile_key, tile_max, tile_sum, cand_ids, cand_out, num_candidates,
         n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits, softcap or 1.0,
         SOFTCAP=softcap is not None, COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
-        DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, TOP_K=width,
+        DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, TILE_STATS=top_k > 0,
         CANDIDATES=candidates is not None, GROUP_R=cfg.group_r,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    top_tiles = pair_keys = pair_rest = label_logit
+    if top_k:  # each row's k_tiles tiles of largest maxima, then those tiles again, grouped by tile
+        top_tiles, chosen = torch.topk(tile_key.T, k_tiles, dim=1)  # (keys are unique: ties go to the lower tile)
+        top_tiles, chosen = top_tiles.contiguous(), chosen.flatten()  # pair p: row p // k_tiles
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.zeros(num_tiles, **i64).index_add_(0, chosen, torch.ones_like(chosen))
+        tile, start, end = group_schedule(counts, n * k_tiles, cfg.block_n)
+        pair_keys = torch.empty(n * k_tiles, width, **i64)
+        pair_rest = torch.empty(n * k_tiles, **f32)
+        _triton_top_tiles_kernel[(tile.numel(),)](
+            hidden, weight, inv_temp, order, tile, start, end, top_tiles, pair_keys, pair_rest,
+            v, h, hidden.stride(0), weight.stride(0), k_tiles, softcap or 1.0,
+            SOFTCAP=softcap is not None, EVEN_H=h % cfg.block_h == 0, DOT_PRECISION=dot_precision(hidden.dtype),
+            TOP_K=width, EVERY=k_tiles < top_k, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
     block = 16 if top_k else 128  # (rows a program combines; a row's result does not depend on it)
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
-        part_keys, part_tail, extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
+        pair_keys, pair_rest, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
+        extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width, CANDIDATES=candidates is not None, BLOCK=block,
     )

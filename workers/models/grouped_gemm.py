@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
+from ..head.triton_log_probs_forward import _dot, dot_precision, group_schedule, interpreting
 
 
 class Tiles(NamedTuple):
@@ -81,22 +81,6 @@ def _grouped_gemm_kernel(x_ptr, source_ptr, w_ptr, out_ptr, tile_expert_ptr, til
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _schedule(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per program: its expert (-1 for the spare programs of a grid sized for the worst case, so that no count
-    is read back to the host), its first row and the end of its expert's rows, from the row counts [E + 1] (the
-    last: rows of no expert, expert E)."""
-    tiles = (counts + block_m - 1) // block_m
-    last = torch.cumsum(tiles, 0)
-    grid = triton.cdiv(rows, block_m) + len(counts)  # (at least sum(tiles))
-    program = torch.arange(grid, device=counts.device)
-    expert = torch.searchsorted(last, program, right=True)
-    known = expert.clamp(max=len(counts) - 1)
-    ends = torch.cumsum(counts, 0)
-    start = ends[known] - counts[known] + (program - last[known] + tiles[known]) * block_m
-    spare = expert == len(counts)
-    return expert.masked_fill(spare, -1), start, torch.where(spare, start, ends[known])  # (spares: no rows)
-
-
 def _launch(x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
     k = x.shape[1]
     rows = x.shape[0] if source is None else source.shape[0]
@@ -104,7 +88,8 @@ def _launch(x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, ga
     n = n // 2 if gated else n
     out = x.new_empty(rows, n)
     tiles = _tiles(x.dtype)
-    expert, row, end = _schedule(counts.to(x.device, torch.int64), rows, tiles.block_m)
+    # E + 1 groups, the last the rows of no expert
+    expert, row, end = group_schedule(counts.to(x.device, torch.int64), rows, tiles.block_m)
     x, weight = x.contiguous(), weight.contiguous()
     _grouped_gemm_kernel[(expert.numel(), triton.cdiv(n, tiles.block_n))](
         x, source if source is not None else expert, weight, out, expert, row, end, n, k, num_experts,

@@ -3,6 +3,8 @@ float64 oracle: ids equal to a stable descending sort's (ties to the lower id), 
 log-probs are; odd V, k = 1 and k = V, ignored positions, per-token temperatures, softcap, bad arguments; the same
 bits for a token whatever else is in the call."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -73,22 +75,58 @@ def test_every_token_ranked_when_k_is_the_vocabulary(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ties_go_to_the_lower_id(backend):
+@pytest.mark.parametrize("k", [2, 8])
+def test_ties_go_to_the_lower_id(backend, k):
     """Integer-valued inputs make exact logits; rows 5, 17, 40 and 77 of the weight are one row, so their tokens
-    tie everywhere, and so do other exact coincidences."""
+    tie everywhere, and so do other exact coincidences (with Triton, whole tiles' maxima tie: k = 2 chooses 2 of
+    the 4 tiles, k = 8 all of them)."""
     g = torch.Generator().manual_seed(3)
     hidden = torch.randint(-2, 3, (11, 8), generator=g).float()
     weight = torch.randint(-2, 3, (97, 8), generator=g).float()
     weight[[17, 40, 77]] = weight[5].clone()
     hidden[3] = 0.0  # every logit 0: the top k are ids 0..k-1
-    out = fused_log_probs(hidden, weight, torch.zeros(11, dtype=torch.long), top_k=8, backend=backend)
+    out = fused_log_probs(hidden, weight, torch.zeros(11, dtype=torch.long), top_k=k, backend=backend)
     log_p, order, _ = oracle(hidden, weight)
-    assert torch.equal(out.top_ids, order[:, :8])
-    assert torch.equal(out.top_ids[3], torch.arange(8))
+    assert torch.equal(out.top_ids, order[:, :k])
+    assert torch.equal(out.top_ids[3], torch.arange(k))
     for row in range(11):
         picked = out.top_ids[row].tolist()
         if 17 in picked:
             assert 5 in picked and picked.index(5) < picked.index(17)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_top_k_held_by_one_vocabulary_tile(backend):
+    """Every row's 16 largest logits in ids 64..95 (one tile of the interpreter's Triton tiling): the tile that
+    holds the top must give all 16, and the other chosen tiles only their mass."""
+    hidden, weight, labels = inputs(13, 24, 503, seed=9)
+    hidden = hidden.abs()
+    weight[64:96] = weight[64:96].abs() + 1.0
+    out = fused_log_probs(hidden, weight, labels, top_k=16, backend=backend)
+    log_p, order, biggest = oracle(hidden, weight)
+    assert ((order[:, :16] >= 64) & (order[:, :16] < 96)).all()  # (what the test is about)
+    check(out, log_p, order, 16, torch.ones(13, dtype=torch.bool), TOL * (1 + biggest))
+
+
+def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch):
+    from ppo_logprobs.workers.head import triton_log_probs_forward as forward
+    hidden, weight, labels = inputs(37, 24, 503, seed=10)
+    whole = fused_log_probs(hidden, weight, labels, top_k=5, token_ids=torch.tensor([7]), backend="triton")
+    kernel, grids = forward._triton_top_tiles_kernel, []
+
+    class Launches:  # the second pass's launches, one a chunk
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    # a row of 16 tiles (V = 503 in 32-wide tiles) and 5 chosen tiles' lists of 8 takes 16 * 16 + 5 * 76 bytes
+    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 20 * (16 * 16 + 5 * 76))  # (16 rows a chunk)
+    monkeypatch.setattr(forward, "_triton_top_tiles_kernel", Launches())
+    chunked = fused_log_probs(hidden, weight, labels, top_k=5, token_ids=torch.tensor([7]), backend="triton")
+    assert len(grids) == 3  # 16 + 16 + 5 rows
+    assert torch.equal(chunked.top_ids, whole.top_ids)
+    for name in ("log_probs", "entropy", "top_log_probs", "tail_log_prob", "candidate_log_probs"):
+        assert_same_bits(getattr(chunked, name), getattr(whole, name), interpreted=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -151,3 +189,29 @@ def test_bad_arguments_are_named(kwargs, message):
     hidden, weight, labels = inputs(6, 24, 503, seed=8)
     with pytest.raises(ValueError, match=message):
         fused_log_probs(hidden, weight, labels, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [20, 64, 256])
+def test_compiled_top_k_is_exact_invariant_and_recomputes_the_first_pass_bits(k):
+    """bf16 on the GPU's own tiling (79 vocabulary tiles of 256: k = 256 chooses every tile): ids as float64's, values within the plain
+    log-probs' error; a token's bits whatever else is in the call; and the second pass's logits the first pass's to
+    the bit (the top-1 log-prob of a token whose label is its most likely id is its log-prob)."""
+    hidden, weight, labels = inputs(300, 256, 20011, seed=11)
+    hidden, weight = hidden.cuda().bfloat16(), weight.cuda().bfloat16()
+    log_p, order, biggest = oracle(hidden, weight)
+    labels = torch.where(torch.arange(300) % 2 == 0, order[:, 0].cpu(), labels).cuda()
+    labels[::7] = -100
+    keep = (labels != -100).cpu()
+    out = fused_log_probs(hidden, weight, labels, top_k=k, backend="triton")
+    check(SimpleNamespace(**{n: getattr(out, n).cpu() for n in ("top_ids", "top_log_probs", "tail_log_prob")}),
+          log_p.cpu(), order.cpu(), k, keep, TOL * (1 + biggest))
+    plain = fused_log_probs(hidden, weight, labels, backend="triton")
+    assert torch.equal(out.log_probs, plain[0]) and torch.equal(out.entropy, plain[1])
+    own = keep.cuda() & (out.top_ids[:, 0] == labels)
+    assert own.sum() >= 100 and torch.equal(out.top_log_probs[own, 0], out.log_probs[own])
+    idx = torch.tensor([299, 3, 150, 151]).cuda()
+    part = fused_log_probs(hidden[idx], weight, labels[idx], top_k=k, backend="triton")
+    for name in ("top_ids", "top_log_probs", "tail_log_prob"):
+        assert torch.equal(getattr(part, name), getattr(out, name)[idx])
