@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--worker-only", action="store_true", help="of the mixed cases, only LogProbWorker's")
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
+    parser.add_argument("--top-k", type=int, nargs="*", default=[],
+                        help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -251,6 +253,10 @@ def main() -> None:
                     worker.stats["rows"] = 0
                     worker.score(lists, score_from=prompt)
                     record("mixed", f"worker, rows of {r} ({mode})", real, s, p, rows=worker.stats["rows"])
+                    plain_s = s
+                    for k in args.top_k if mode == "invariant" else ():
+                        s, p = timed(lambda w=worker, k=k: w.score(lists, score_from=prompt, top_k=k), device, reps)
+                        record("mixed", f"worker, rows of {r} ({mode}), top-{k}", real, s, p, vs_plain=s / plain_s)
             patch_model(model, backend=backend)
 
     if args.out:

@@ -38,8 +38,8 @@ if has loop7; then
   timeout ${LOOP7_S:-400} python3 examples/ppo_loop.py --model /tmp/q7 --steps 3 --rollouts 32 --prompt 128 --response 512 \
     --minibatches 8 --lr 1e-5 --out "$OUT/ppo_loop_q7.json" 2>&1 | tee "$OUT/ppo_loop_q7.log" | quiet | tail -8
 fi
-if has model; then  # issue 21: the worker's scoring after the actor's restructuring (7B shape)
-  timeout ${MODEL_S:-200} python3 benchmarks/bench_model.py --skip-naive --skip-fixed --worker-only --out "$OUT/model.json" \
+if has model; then  # issue 21: the worker's scoring after the actor's restructuring (7B shape); MODEL_ARGS="--top-k 20": issue 23
+  timeout ${MODEL_S:-200} python3 benchmarks/bench_model.py --skip-naive --skip-fixed --worker-only ${MODEL_ARGS:-} --out "$OUT/model.json" \
     2>&1 | tee "$OUT/model.log" | quiet | tail -6
 fi
 if has sync; then  # issue 20: where a colocated sync's time goes (1.5B)
