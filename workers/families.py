@@ -34,8 +34,8 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family("Gemma3", softcap="final_logit_softcapping", norm=_GEMMA_NORM, window="module",
                           tensor_parallel=True),
     # mixtures of experts (the router stays HF's: softmax or sigmoid, norm_topk_prob, shared experts)
-    "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", experts=True),
-    "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", experts=True),
-    "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", experts=True),
-    "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True),  # (its q/k norms span all heads: HF's attention)
+    "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True),
+    "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True),
+    "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", tensor_parallel=True, experts=True),
+    "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True),  # (q/k norms span all heads: HF's attention, no TP)
 }

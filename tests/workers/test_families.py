@@ -169,9 +169,10 @@ def test_the_tensor_parallel_families_are_the_tables():
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_tensor_parallel_families_have_every_projection_the_cut_splits(model_type):
-    """A family marked tensor parallel has, in each layer, the q/k/v/o and gate/up/down weights that sharding.SPLITS
-    cuts (fused qkv or gate_up, or experts, would stay whole on every rank and score wrong), and a tiny model of it
-    cuts in two; any other family is refused, the message listing the table's tensor-parallel families."""
+    """A family marked tensor parallel has, in each layer, the q/k/v/o weights that sharding.SPLITS cuts and either
+    the dense gate/up/down or a mixture's fused experts, and every other weight of its MLP is one SPLITS cuts or a
+    router (fused qkv or gate_up of another layout would stay whole on every rank and score wrong); a tiny model of
+    it cuts in two. Any other family is refused, the message listing the table's tensor-parallel families."""
     family = FAMILIES[model_type]
     model = tiny(TINY_NAME[model_type])
     if not family.tensor_parallel:
@@ -180,9 +181,19 @@ def test_tensor_parallel_families_have_every_projection_the_cut_splits(model_typ
             check_shardable(model.config, 2)
         return
     names = {name for name, _ in model.named_parameters()}
-    layer_weights = [suffix for suffix in SPLITS if suffix.endswith(".weight") and suffix != "lm_head.weight"]
+    attention = [s for s in SPLITS if s.startswith("self_attn.") and s.endswith(".weight")]
+    dense = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    routers = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # (whole on every rank: each routes alike)
     for layer in range(model.config.num_hidden_layers):
-        for suffix in layer_weights:
-            assert f"model.layers.{layer}.{suffix}" in names, suffix
+        prefix = f"model.layers.{layer}."
+        assert all(prefix + s in names for s in attention), layer
+        assert all(prefix + s in names for s in dense) or all(prefix + s in names for s in experts), layer
+        for name in (n for n in names if n.startswith(prefix + "mlp.")):
+            assert name.endswith(tuple(SPLITS)) or name.endswith(routers), name
     cut_model(model, 1, 2)
+    mlp = model.model.layers[0].mlp
+    if hasattr(mlp, "experts"):
+        assert mlp.experts.down_proj.shape[2] == mlp.experts.intermediate_dim // 2
+        return
     assert model.model.layers[0].mlp.down_proj.weight.shape[1] == model.config.intermediate_size // 2

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from ppo_logprobs.workers.models.tensor_parallel import cut_model
-from ppo_logprobs.workers.sharding import FAMILIES, Shard, check_shardable, head_dim, held_shard, part_of
+from ppo_logprobs.workers.sharding import FAMILIES, Part, Shard, check_shardable, head_dim, held_shard, part_of, take
 
 # odd sizes: 37 rows of MLP and 97 of vocabulary leave remainders; 6 query heads of 4 over 2 or 3 key-value heads
 QWEN2 = dict(vocab_size=97, hidden_size=24, intermediate_size=37, num_attention_heads=6, num_key_value_heads=2,
@@ -36,12 +36,12 @@ def test_the_parts_of_all_ranks_tile_each_whole_tensor(family, size):
         assert None not in parts, name
         dim = parts[0][0]
         assert [p[0] for p in parts] == [dim] * size, name
-        cut = [whole.narrow(*p) for p in parts]
+        cut = [take(whole, p) for p in parts]
         assert torch.equal(torch.cat(cut, dim), whole), name
         for got, want in zip(cut, torch.tensor_split(whole, size, dim), strict=True):
             assert torch.equal(got, want), name
         if "self_attn" in name:  # whole heads on every rank
-            assert all(start % head_dim(config) == 0 and length % head_dim(config) == 0 for _, start, length in parts)
+            assert all(p.start % head_dim(config) == 0 and p.length % head_dim(config) == 0 for p in parts)
 
 
 def test_each_kind_of_split_takes_its_own_slice():
@@ -61,11 +61,41 @@ def test_each_kind_of_split_takes_its_own_slice():
     model = tiny("qwen2")
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, parts in want.items():
-        assert tuple(part_of(layer + name, shapes[layer + name], r, 2, config) for r in (0, 1)) == parts, name
-    assert [part_of("lm_head.weight", (97, 24), r, 2, config) for r in (0, 1)] == [(0, 0, 49), (0, 49, 48)]
+        got = tuple(part_of(layer + name, shapes[layer + name], r, 2, config) for r in (0, 1))
+        assert got == tuple(p and Part(*p) for p in parts), name
+    assert [part_of("lm_head.weight", (97, 24), r, 2, config) for r in (0, 1)] == [Part(0, 0, 49), Part(0, 49, 48)]
     assert [part_of("lm_head.weight", (97, 24), r, 3, config) for r in (0, 1, 2)] == [
-        (0, 0, 33), (0, 33, 32), (0, 65, 32)]
+        Part(0, 0, 33), Part(0, 33, 32), Part(0, 65, 32)]
     assert part_of("model.embed_tokens.weight", (97, 24), 1, 2, config) is None
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_mixtures_experts_split_by_their_intermediate_dimension(size):
+    """Qwen2-MoE (routed experts of 13, a shared expert of 11: remainders): every rank holds every expert's slice
+    of gate and up rows (from both halves of the fused gate_up) and the matching down columns; the router and the
+    shared expert's gate stay whole; the shared expert splits like a dense MLP."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(**{**QWEN2, "num_key_value_heads": 3}, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=13, shared_expert_intermediate_size=11)
+    model = transformers.Qwen2MoeForCausalLM(config)
+    mlp = "model.layers.0.mlp."
+    params = dict(model.named_parameters())
+    parts = {n: [part_of(mlp + n, tuple(params[mlp + n].shape), r, size, config) for r in range(size)]
+             for n in ("experts.gate_up_proj", "experts.down_proj", "shared_expert.gate_proj.weight",
+                       "shared_expert.down_proj.weight", "gate.weight", "shared_expert_gate.weight")}
+    lengths = [13 // size + (r < 13 % size) for r in range(size)]
+    assert [p.length for p in parts["experts.gate_up_proj"]] == lengths
+    gate_up = params[mlp + "experts.gate_up_proj"]
+    cut = [take(gate_up, p) for p in parts["experts.gate_up_proj"]]
+    assert [tuple(c.shape) for c in cut] == [(4, 2 * n, 24) for n in lengths]
+    halves = [(c[:, :n], c[:, n:]) for c, n in zip(cut, lengths, strict=True)]
+    assert torch.equal(torch.cat([gate for gate, _ in halves], 1), gate_up[:, :13])  # gate rows
+    assert torch.equal(torch.cat([up for _, up in halves], 1), gate_up[:, 13:])  # up rows
+    for name, dim in (("experts.down_proj", 2), ("shared_expert.gate_proj.weight", 0),
+                      ("shared_expert.down_proj.weight", 1)):
+        whole = params[mlp + name]
+        assert torch.equal(torch.cat([take(whole, p) for p in parts[name]], dim), whole), name
+    assert parts["gate.weight"] == parts["shared_expert_gate.weight"] == [None] * size
 
 
 @pytest.mark.parametrize(
@@ -97,19 +127,19 @@ def test_what_cannot_be_sharded_is_named():
     with pytest.raises(ValueError) as refused:
         check_shardable(config, 4)
     assert str(refused.value) == "num_attention_heads = 6 does not divide among 4 ranks"
-    assert FAMILIES == ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+    assert FAMILIES == ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "qwen2_moe", "mixtral")
     with pytest.raises(ValueError) as refused:
         check_shardable(transformers.Phi3Config(vocab_size=97, hidden_size=24, num_attention_heads=6), 2)
-    assert str(refused.value) == ("tensor parallelism supports llama, mistral, qwen2, qwen3, gemma3_text, not "
-                                  "model_type 'phi3'")
+    assert str(refused.value) == ("tensor parallelism supports llama, mistral, qwen2, qwen3, gemma3_text, "
+                                  "qwen3_moe, qwen2_moe, mixtral, not model_type 'phi3'")
 
 
 def test_heads_of_their_own_size_split_by_the_configs_head_dim():
     config = transformers.Qwen3Config(**{**QWEN2, "num_attention_heads": 4, "head_dim": 10})
     assert head_dim(config) == 10 and head_dim(tiny("qwen2").config) == 4  # Qwen2: hidden_size // heads
     parts = [part_of("model.layers.0.self_attn.q_proj.weight", (40, 24), r, 2, config) for r in (0, 1)]
-    assert parts == [(0, 0, 20), (0, 20, 20)]
-    assert part_of("model.layers.0.self_attn.o_proj.weight", (24, 40), 1, 2, config) == (1, 20, 20)
+    assert parts == [Part(0, 0, 20), Part(0, 20, 20)]
+    assert part_of("model.layers.0.self_attn.o_proj.weight", (24, 40), 1, 2, config) == Part(1, 20, 20)
 
 
 @pytest.mark.parametrize("tied, rank", [(True, 1), (False, 0)])

@@ -4,8 +4,12 @@ process group (Megatron's layout).
 Attention: q/k/v projections split by heads (rank r keeps a contiguous block of num_heads / N query heads and
 num_kv_heads / N key-value heads, with their biases), o_proj by the matching input columns. MLP: gate/up split by
 rows (`tensor_split` of the intermediate size), down_proj by the matching columns. o_proj and down_proj then sum
-their partial outputs over the group (all_reduce; their bias is added once, after it). Scoring only: the sharded
-body refuses to run with gradients. The LM
+their partial outputs over the group (all_reduce; their bias is added once, after it). A mixture's experts split
+the same way, every expert by its intermediate dimension (gate_up_proj [E, 2I, H] by the rows of both halves,
+down_proj [E, H, I] by columns); the router stays whole, so every rank routes every token alike, and the experts'
+combined partial output is summed over the group (a shared expert splits like a dense MLP). Expert parallelism
+(whole experts per rank) would move tokens between ranks by their routing instead: more traffic and a batch-dependent
+layout, for no gain at the sizes one node holds. Scoring only: the sharded body refuses to run with gradients. The LM
 head keeps the rows `tensor_split(arange(V), N)[r]` and scores through the vocab-parallel fused head (patch_model's
 `process_group`). Embeddings and norms stay whole on every rank.
 
@@ -22,15 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from ..distributed import sum_over
-from ..sharding import Shard, check_shardable, part_of
+from ..sharding import Shard, check_shardable, part_of, take
 
-_REDUCED = ("self_attn.o_proj", "mlp.down_proj")  # modules whose outputs are summed over the group
+_REDUCED = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj")  # outputs summed over the group
 
 
 def shard_of(name: str, full: Tensor, rank: int, size: int, config) -> Tensor:
-    """This rank's part of the full tensor `name` (a view; the tensor itself when it stays whole)."""
-    where = part_of(name, tuple(full.shape), rank, size, config)
-    return full if where is None else full.narrow(*where)
+    """This rank's part of the full tensor `name` (a view, but for a fused gate/up; the tensor itself when it stays
+    whole)."""
+    return take(full, part_of(name, tuple(full.shape), rank, size, config))
 
 
 def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
@@ -41,6 +45,15 @@ def _reduced_forward(self: nn.Linear, x: Tensor, *, group) -> Tensor:
                            "across ranks (the fused head does)")
     sum_over(y, group)
     return y if self.bias is None else y + self.bias
+
+
+def _reduced_experts(module: nn.Module, args, y: Tensor, *, group) -> Tensor:
+    # a mixture's experts, after the combine: this rank's slice of every expert's intermediate dimension gave a
+    # partial [T, H], summed over the group (a forward hook: fuse_body replaces the experts' forward)
+    if y.requires_grad:
+        raise RuntimeError("a tensor-parallel model scores under torch.no_grad(): its layers carry no gradients "
+                           "across ranks (the fused head does)")
+    return sum_over(y, group)
 
 
 def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
@@ -63,11 +76,14 @@ def cut_model(model: nn.Module, rank: int, size: int) -> nn.Module:
 
 
 def connect(model: nn.Module, group) -> nn.Module:
-    """Makes a cut model's o_proj and down_proj sum their outputs over `group`."""
+    """Makes a cut model's o_proj and down_proj (and a mixture's experts) sum their outputs over `group`."""
     if group.size() > 1:
         for name, module in model.named_modules():
             if name.endswith(_REDUCED):
                 module.forward = types.MethodType(partial(_reduced_forward, group=group), module)
+            elif name.endswith("mlp.experts") and not any(  # (once: connect may run again on a model)
+                    getattr(hook, "func", None) is _reduced_experts for hook in module._forward_hooks.values()):
+                module.register_forward_hook(partial(_reduced_experts, group=group))
     return model
 
 

@@ -20,9 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
-from ..sharding import held_shard
+from ..sharding import Part, expert_size, held_shard, part_of, part_shape
 from .keep import PARTS_FILE
-from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, part_shape, rank_parts
+from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, rank_parts
 
 _MAX_HEADER = 100 << 20
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
@@ -128,7 +128,9 @@ _ROLE = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2
 _EXPERT = re.compile(rf"^(.+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.({'|'.join(_ROLE)})\.weight$")
 _MIXTRAL_ROUTER = re.compile(r"^(.+)\.block_sparse_moe\.gate\.weight$")
 
-Pieces = dict[str, list[tuple[str, int]]]  # a fused parameter -> (a checkpoint tensor, its element offset in it)
+# a fused parameter -> (a checkpoint tensor, its element offset in the parameter, the part of it read: a
+# tensor-parallel rank's rows of a gate or up projection, its columns of a down projection)
+Pieces = dict[str, list[tuple[str, int, Part | None]]]
 
 
 def _fused_experts(model: nn.Module, index: dict[str, TensorSpec]) -> tuple[dict[str, TensorSpec], Pieces]:
@@ -136,7 +138,8 @@ def _fused_experts(model: nn.Module, index: dict[str, TensorSpec]) -> tuple[dict
     expert parameters (`pieces`: where each lands), Mixtral's router renamed. IncompatibleWeights names an
     expert tensor that does not fit or a fused parameter some expert is missing from."""
     params = dict(model.named_parameters())
-    renamed, pieces, found = {}, {}, {}
+    shard = held_shard(model)
+    renamed, pieces, found, whole = {}, {}, {}, {}
     for name, spec in index.items():
         m = _EXPERT.match(name)
         router = _MIXTRAL_ROUTER.match(name)
@@ -147,15 +150,20 @@ def _fused_experts(model: nn.Module, index: dict[str, TensorSpec]) -> tuple[dict
         if not fused or fused not in params:
             renamed[name] = spec
             continue
-        experts, rows, cols = params[fused].shape
-        expert, role = int(m[2]), _ROLE[m[3]]
-        want = (rows // 2, cols) if role < 2 else (rows, cols)
+        experts, rows, cols = params[fused].shape  # (this rank's part of the whole parameter)
+        expert, role, size = int(m[2]), _ROLE[m[3]], expert_size(model.config)
+        want = (size, cols) if role < 2 else (rows, size)
+        whole[fused] = (experts, 2 * size, cols) if role < 2 else (experts, rows, size)
         if expert >= experts or tuple(spec.shape) != want:
             raise IncompatibleWeights(f"{name!r} has shape {list(spec.shape)}; the model's {fused!r} "
-                                      f"{list(params[fused].shape)} takes [{want[0]}, {want[1]}] for each of "
+                                      f"{list(whole[fused])} takes [{want[0]}, {want[1]}] for each of "
                                       f"{experts} experts")
+        part = None
+        if shard is not None and shard.size > 1:  # the rank's slice of the expert's intermediate dimension
+            cut = part_of(fused, whole[fused], shard.rank, shard.size, model.config)
+            part = Part(0 if role < 2 else 1, cut.start, cut.length)
         offset = expert * rows * cols + (role == 1) * (rows // 2) * cols
-        pieces.setdefault(fused, []).append((name, offset))
+        pieces.setdefault(fused, []).append((name, offset, part))
         found.setdefault(fused, set()).add((expert, role))
     for fused, have in found.items():
         experts = params[fused].shape[0]
@@ -165,7 +173,7 @@ def _fused_experts(model: nn.Module, index: dict[str, TensorSpec]) -> tuple[dict
             raise IncompatibleWeights(f"the checkpoint lacks expert {e}'s {('gate', 'up', 'down')[r]} projection of "
                                       f"{fused!r}")
         first = index[pieces[fused][0][0]]
-        renamed[fused] = TensorSpec(first.file, first.dtype, tuple(params[fused].shape), first.start, first.end)
+        renamed[fused] = TensorSpec(first.file, first.dtype, whole[fused], first.start, first.end)
     return renamed, pieces
 
 
@@ -231,7 +239,7 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
     device = next(model.parameters()).device
     staged = StagedWeights(layout, device)
     files = {index[parts[e.name][0]].file for e in layout.entries}
-    files |= {index[name].file for p in pieces.values() for name, _ in p}
+    files |= {index[name].file for p in pieces.values() for name, _, _ in p}
     fds = {file: _open_regular(file) for file in files}
     try:
         # (fd, file offset, bytes, source dtype, destination, columns): the destination is a flat slice of the
@@ -245,27 +253,36 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
                 n = min(step, dst.numel() - lo)
                 jobs.append((fds[spec.file], start + lo * size, n * size, spec.dtype, dst[lo : lo + n], None))
 
+        def read(spec: TensorSpec, part: Part | None, dst: Tensor) -> None:
+            """Jobs reading `part` of the tensor `spec` into `dst` (contiguous, the part's shape)."""
+            size, shape = spec.dtype.itemsize, spec.shape
+            if part is not None and 0 < part.dim == len(shape) - 1:  # columns: whole rows read, the part's kept
+                cols, rows = shape[-1], math.prod(shape[:-1])
+                dst = dst.view(rows, part.length)
+                step = max(1, CHUNK_BYTES // (cols * size))
+                for lo in range(0, rows, step):
+                    n = min(step, rows - lo)
+                    jobs.append((fds[spec.file], spec.start + lo * cols * size, n * cols * size, spec.dtype,
+                                 dst[lo : lo + n], (cols, part.start)))
+                return
+            if part is None:
+                flat(spec, spec.start, dst.view(-1))
+                return
+            # runs of whole rows: for each index before `dim` and each block, the part's `length` rows of `dim`
+            inner, each = math.prod(shape[part.dim + 1 :]), shape[part.dim] // part.blocks
+            run = part.length * inner
+            for i in range(math.prod(shape[: part.dim]) * part.blocks):
+                flat(spec, spec.start + (i * each + part.start) * inner * size, dst.view(-1)[i * run : (i + 1) * run])
+
         for entry in layout.entries:
             if entry.name in pieces:  # one tensor per expert, each a block of the fused parameter
                 dst = staged.tensor(entry).view(-1)
-                for name, offset in pieces[entry.name]:
+                for name, offset, part in pieces[entry.name]:
                     spec = index[name]
-                    flat(spec, spec.start, dst[offset : offset + math.prod(spec.shape)])
+                    read(spec, part, dst[offset : offset + math.prod(part_shape(spec.shape, part))])
                 continue
             source, part = parts[entry.name]
-            spec = index[source]
-            size = spec.dtype.itemsize
-            if part is not None and part[0] == 1:  # columns of a matrix: whole rows read, the part's columns kept
-                cols = spec.shape[1]
-                dst = staged.tensor(entry)  # [rows, length]
-                step = max(1, CHUNK_BYTES // (cols * size))
-                for lo in range(0, spec.shape[0], step):
-                    n = min(step, spec.shape[0] - lo)
-                    jobs.append((fds[spec.file], spec.start + lo * cols * size, n * cols * size, spec.dtype,
-                                 dst[lo : lo + n], (cols, part[1])))
-                continue
-            start = spec.start + (part[1] * math.prod(spec.shape[1:]) * size if part is not None else 0)  # rows
-            flat(spec, start, staged.tensor(entry).view(-1))
+            read(index[source], part, staged.tensor(entry))
         cuda = staged.device.type == "cuda"
         slots = pinned_slots(staged.device) if cuda else None
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from ..errors import IncompatibleWeights, NotShared, UpdateFailed, WeightsUnavailable, non_finite
-from ..sharding import held_shard
+from ..sharding import held_shard, part_shape, take
 from .checkpoint import read_checkpoint
 from .keep import LocalCopy
-from .staging import Layout, StagedWeights, match_model, part_shape, rank_parts
+from .staging import Layout, StagedWeights, match_model, rank_parts
 from .transfer import (
     GroupSpec,
     broadcast_tensors,
@@ -107,7 +107,7 @@ class WeightsHolder:
         staged = StagedWeights(layout, self._device)
         for entry in layout.entries:
             source, part = parts[entry.name]
-            staged.tensor(entry).copy_(tensors[source] if part is None else tensors[source].narrow(*part))
+            staged.tensor(entry).copy_(take(tensors[source], part))
         return self._stage(version, staged, None, check)
 
     def join_group(self, spec: GroupSpec, rank: int) -> None:

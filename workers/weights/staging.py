@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import IncompatibleWeights
-from ..sharding import held_shard, part_of
+from ..sharding import Part, held_shard, part_of
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,6 @@ def match_model(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, full: b
     return Layout.of(items)
 
 
-Part = tuple[int, int, int]  # (dim, start, length): a tensor-parallel rank's slice of a whole tensor
-
 
 def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Part | None]]:
     """What an update of whole tensors (`shapes`, by name) gives each parameter it reaches: (the whole tensor's
@@ -118,10 +116,6 @@ def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str
                 for name, source in sources.items()}
     except ValueError as e:
         raise IncompatibleWeights(str(e)) from None
-
-
-def part_shape(shape: tuple[int, ...], part: Part | None) -> tuple[int, ...]:
-    return tuple(shape) if part is None else tuple(shape[: part[0]]) + (part[2],) + tuple(shape[part[0] + 1 :])
 
 
 class StagedWeights:

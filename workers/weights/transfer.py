@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..sharding import take
 from .checkpoint import CHUNK_BYTES, READ_THREADS, pinned_slots
 from .staging import Entry, Layout, StagedWeights
 
@@ -215,7 +216,7 @@ def receive_parts(group: dist.ProcessGroup, layout: Layout, staged: StagedWeight
         for entry in bucket:
             whole = scratch[entry.offset - lo : entry.offset - lo + entry.nbytes].view(entry.dtype).view(entry.shape)
             for target, part in cuts.get(entry.name, ()):
-                staged.tensor(target).copy_(whole if part is None else whole.narrow(*part))
+                staged.tensor(target).copy_(take(whole, part))
     if device.type == "cuda" or staged.device.type == "cuda":
         torch.cuda.synchronize()
 

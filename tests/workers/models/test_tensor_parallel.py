@@ -1,6 +1,6 @@
-"""Tensor parallelism on two CPU processes (gloo): tiny models of each supported family sharded over 2 ranks
-give the log-probs and entropies of the same model on one rank (fp32, within 1e-5), padded and packed, through
-the model's own attention and through the varlen path."""
+"""Tensor parallelism on two CPU processes (gloo): tiny models of each supported family (mixtures of experts too)
+sharded over 2 ranks give the log-probs and entropies of the same model on one rank (fp32, within 1e-5), padded
+and packed, through the model's own attention and through the varlen path."""
 
 import pytest
 import torch
@@ -50,6 +50,10 @@ def check(rank, family, tied):
     assert model.lm_head.weight.shape[0] == (49 if rank == 0 else 48)  # V = 97: tensor_split's uneven halves
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape[0] == 2 * attn.head_dim  # 4 heads: 2 here
+    if family.endswith("moe") or family == "mixtral":  # every expert's half of its intermediate rows and columns
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[1] == experts.intermediate_dim  # (the whole's gate and up halves)
+        assert experts.down_proj.shape[2] == experts.intermediate_dim // 2
     for attention in ("auto", "varlen"):
         patch_model(model, backend="torch", packed_attention=attention, process_group=dist.group.WORLD)
         for got, want in zip(outputs(model, attention), results[attention], strict=True):
@@ -92,6 +96,25 @@ def check_loaded(path):
         torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
 
 
+def check_loaded_mixture(path):
+    """A mixture's checkpoint as HF saves it (one tensor per expert, a shared expert) read by each rank for its
+    slice of every expert, and the whole state dict streamed to a rank as an update: both score as the whole."""
+    from ppo_logprobs.workers.weights.holder import WeightsHolder
+
+    ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(8))
+    whole = load_model(path, backend="torch")
+    part = load_model(path, backend="torch", process_group=dist.group.WORLD)
+    with torch.no_grad():
+        want, got = whole(input_ids=ids), part(input_ids=ids)
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+    rebuilt = load_model("", config=whole.config.to_dict(), backend="torch", process_group=dist.group.WORLD)
+    WeightsHolder(rebuilt, 0).update_weights(dict(whole.state_dict()), version=1)
+    with torch.no_grad():
+        again = rebuilt(input_ids=ids)
+    assert torch.equal(again.log_probs, got.log_probs) and torch.equal(again.entropy, got.entropy)
+
+
 def check_shared_prefixes():
     """A rank's LogProbWorker lays GRPO groups out in pieces as a whole model's does, with the same results."""
     import numpy as np
@@ -116,7 +139,7 @@ def same_on_every_rank(x):
     return all(torch.equal(p, parts[0]) for p in parts)
 
 
-def run(rank, port, cases, path):
+def run(rank, port, cases, path, mixture=None):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for case in cases:
@@ -124,6 +147,8 @@ def run(rank, port, cases, path):
         for family in ("qwen2", "gemma3"):
             check_built(rank, family)
         check_loaded(path)
+        if mixture:
+            check_loaded_mixture(mixture)
         check_shared_prefixes()
         dist.barrier()  # neither rank tears the group down while the other still uses it (a gloo abort at exit)
     finally:
@@ -131,9 +156,11 @@ def run(rank, port, cases, path):
 
 
 def test_two_ranks_give_the_numbers_of_one(tmp_path):
-    cases = [("llama", True), ("qwen2", False), ("qwen3", False), ("mistral", False), ("gemma3", False)]
+    cases = [("llama", True), ("qwen2", False), ("qwen3", False), ("mistral", False), ("gemma3", False),
+             ("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", False)]
     path = save(perturbed(9), tmp_path / "ckpt")
-    mp.spawn(run, args=(free_port(), cases, path), nprocs=WORLD)
+    mixture = save(tiny("qwen2_moe"), tmp_path / "moe")
+    mp.spawn(run, args=(free_port(), cases, path, mixture), nprocs=WORLD)
 
 
 def test_what_cannot_be_sharded_is_named():

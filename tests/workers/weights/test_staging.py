@@ -10,8 +10,9 @@ from ppo_logprobs.workers import load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights
 from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 from ppo_logprobs.workers.models.tensor_parallel import cut_model
+from ppo_logprobs.workers.sharding import Part, part_shape, take
 from ppo_logprobs.workers.weights import staging
-from ppo_logprobs.workers.weights.staging import Layout, StagedWeights, match_model, part_shape, rank_parts
+from ppo_logprobs.workers.weights.staging import Layout, StagedWeights, match_model, rank_parts
 
 
 def shapes_of(model) -> dict[str, tuple[int, ...]]:
@@ -133,13 +134,13 @@ def test_a_tensor_parallel_rank_takes_the_parts_it_was_cut_to(rank):
         source, part = parts[name]
         assert source == name
         assert part_shape(tuple(whole[name].shape), part) == tuple(param.shape), name
-        assert torch.equal(whole[name] if part is None else whole[name].narrow(*part), param), name
+        assert torch.equal(take(whole[name], part), param), name
     layer = "model.layers.1."
-    assert parts[layer + "self_attn.q_proj.weight"][1] == (0, 32 * rank, 32)  # 2 of 4 heads of 16
-    assert parts[layer + "self_attn.k_proj.bias"][1] == (0, 16 * rank, 16)  # 1 of 2 heads
-    assert parts[layer + "self_attn.o_proj.weight"][1] == (1, 32 * rank, 32)  # its heads' input columns
-    assert parts[layer + "mlp.down_proj.weight"][1] == (1, 64 * rank, 64)
-    assert parts["lm_head.weight"][1] == ((0, 0, 252) if rank == 0 else (0, 252, 251))  # tensor_split's rows
+    assert parts[layer + "self_attn.q_proj.weight"][1] == Part(0, 32 * rank, 32)  # 2 of 4 heads of 16
+    assert parts[layer + "self_attn.k_proj.bias"][1] == Part(0, 16 * rank, 16)  # 1 of 2 heads
+    assert parts[layer + "self_attn.o_proj.weight"][1] == Part(1, 32 * rank, 32)  # its heads' input columns
+    assert parts[layer + "mlp.down_proj.weight"][1] == Part(1, 64 * rank, 64)
+    assert parts["lm_head.weight"][1] == (Part(0, 0, 252) if rank == 0 else Part(0, 252, 251))  # tensor_split's
     assert parts["model.norm.weight"][1] is None and parts["model.embed_tokens.weight"][1] is None
 
 
@@ -148,7 +149,7 @@ def test_a_rank_of_a_tied_model_cuts_its_head_from_the_embedding_when_the_update
     model = cut_model(tied_tiny(), rank, 2)
     shapes = shapes_of(tied_tiny())  # lists the tied parameter once, as the embedding
     assert "lm_head.weight" not in shapes
-    head = (0, 0, 252) if rank == 0 else (0, 252, 251)
+    head = Part(0, 0, 252) if rank == 0 else Part(0, 252, 251)
     assert rank_parts(model, shapes)["lm_head.weight"] == ("model.embed_tokens.weight", head)
     own = {**shapes, "lm_head.weight": (503, 64)}  # an update with a head of its own: that one is cut
     assert rank_parts(model, own)["lm_head.weight"] == ("lm_head.weight", head)
