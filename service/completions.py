@@ -12,7 +12,7 @@ import uuid
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
-from ppo_logprobs.workers.errors import RequestError
+from ppo_logprobs.workers.errors import RequestError, TooLarge
 from ppo_logprobs.workers.request import ScoreResult
 
 
@@ -60,13 +60,27 @@ def prompts_of(body: CompletionRequest, tokenizer) -> list[list[int]]:
     return [prompt] if isinstance(prompt[0], int) else prompt  # type: ignore[list-item]
 
 
-def scoring_inputs(prompts: list[list[int]], body: CompletionRequest) -> tuple[list[list[int]], float, int]:
+def scoring_inputs(prompts: list[list[int]], body: CompletionRequest, *, vocab_size: int, max_length: int,
+                   max_top_k: int) -> tuple[list[list[int]], float, int]:
     """(sequences, temperature, top_k) to score: with max_tokens 1, each prompt gets a placeholder token so that its
-    last position, which predicts the next token, is scored too. Temperature 0 (greedy) scores at 1."""
+    last position, which predicts the next token, is scored too. Temperature 0 (greedy) scores at 1. A refusal
+    names what the client sent (`prompt`, `logprobs`, `prompt_logprobs`), not the scoring request made of it."""
+    extra = body.max_tokens or 0
+    single = isinstance(body.prompt, list) and bool(body.prompt) and isinstance(body.prompt[0], int)
     for i, p in enumerate(prompts):
-        if len(p) + (body.max_tokens or 0) < 2:
-            raise RequestError(f"prompt[{i}] has {len(p)} tokens; scoring needs at least 2 (or max_tokens 1)")
-    seqs = [list(p) + [0] * (body.max_tokens or 0) for p in prompts]
+        where = "prompt" if single else f"prompt[{i}]"
+        if len(p) + extra < 2:
+            raise RequestError(f"{where} has {len(p)} tokens; scoring needs at least 2 (or max_tokens 1)")
+        if len(p) + extra > max_length:
+            raise TooLarge(f"{where} has {len(p)} tokens; this model takes at most {max_length - extra}"
+                           + (" with max_tokens 1" if extra else ""))
+        for j, x in enumerate(p):
+            if not 0 <= x < vocab_size:
+                raise RequestError(f"{where}[{j}] = {x} is outside the vocabulary [0, {vocab_size})")
+    for field in ("logprobs", "prompt_logprobs"):
+        if (asked := getattr(body, field)) is not None and asked > max_top_k:
+            raise RequestError(f"{field} = {asked}: this service gives at most {max_top_k} (its max_top_k)")
+    seqs = [list(p) + [0] * extra for p in prompts]
     temperature = 1.0 if not body.temperature else float(body.temperature)
     k = max(body.logprobs or 0, body.prompt_logprobs or 0, 1 if body.max_tokens else 0)
     return seqs, temperature, k

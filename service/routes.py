@@ -185,7 +185,8 @@ async def completions(request: Request, gw: GatewayDep) -> Response:
         parsed = await off_loop(len(body) <= _INLINE_BYTES, CompletionRequest.model_validate_json, body)
         name, model = served(gw, parsed.model)
         prompts = await asyncio.to_thread(prompts_of, parsed, gw.tokenizer())
-        seqs, temperature, k = scoring_inputs(prompts, parsed)
+        seqs, temperature, k = scoring_inputs(prompts, parsed, vocab_size=model.vocab_size,
+                                              max_length=settings.max_tokens_per_batch, max_top_k=settings.max_top_k)
         scores = await asyncio.to_thread(
             ScoreRequest.build, seqs, 1, temperature, False, vocab_size=model.vocab_size,
             max_length=settings.max_tokens_per_batch, max_tokens=settings.max_request_tokens, top_k=k,

@@ -1,0 +1,206 @@
+"""The gateway's pure parts, without Ray or Serve: each replica's share of the per-model limits, GatewayMetrics as the
+Prometheus text it exports (tokens, shared tokens, latency, rollout mismatch, and the queue, calls and batch fill
+sampled from a real Batcher in front of a LogProbWorker), _Count (answers counted by status, X-Replica), and the
+FastAPI app mapping the errors FastAPI raises itself."""
+
+import asyncio
+import contextlib
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
+
+from ppo_logprobs.service import Settings
+from ppo_logprobs.service.app import Gateway, GatewayMetrics, ServedModel, _Count, make_fastapi, share
+from ppo_logprobs.service.batcher import Batcher
+from ppo_logprobs.service.routes import current_gateway, set_gateway
+from ppo_logprobs.workers import LogProbWorker
+
+from ..helpers import TINY_VOCAB
+
+
+@contextlib.contextmanager
+def registered(gw):
+    """This replica's gateway is `gw` for the block, and what it was before after it."""
+    before = current_gateway()
+    set_gateway(gw)
+    try:
+        yield gw
+    finally:
+        set_gateway(before)
+
+
+def exported(metrics: GatewayMetrics) -> dict[str, float]:
+    """The registry's Prometheus text as {series: value} ('name{labels}' as written)."""
+    text = generate_latest(metrics.registry).decode()
+    return {series: float(value) for series, value in (line.rsplit(" ", 1) for line in text.splitlines()
+                                                       if not line.startswith("#"))}
+
+
+def test_each_replica_takes_an_equal_share_of_a_limit_rounded_up_and_at_least_1():
+    assert [share(256, n) for n in (1, 2, 3, 8, 255, 256, 257)] == [256, 128, 86, 32, 2, 1, 1]
+    assert [share(2, n) for n in (1, 2, 3)] == [2, 1, 1]
+    assert share(10, 0) == 10 and share(0, 4) == 1  # (no replicas counted: one; nothing to share: still one)
+
+
+def test_scored_tokens_shared_tokens_and_latency_are_exported_per_model_and_replica():
+    metrics = GatewayMetrics("replica-a")
+    metrics.observe("policy", 100, 0.02, shared=30)
+    metrics.observe("policy", 50, 0.3, shared=-5)  # (a negative share, as a caller may compute it, counts 0)
+    metrics.observe("reference", 7, 40.0)
+    got = exported(metrics)
+    policy, reference = 'model="policy",replica="replica-a"', 'model="reference",replica="replica-a"'
+    assert got[f"ppo_logprobs_tokens_total{{{policy}}}"] == 150
+    assert got[f"ppo_logprobs_tokens_total{{{reference}}}"] == 7
+    assert got[f"ppo_logprobs_shared_tokens_total{{{policy}}}"] == 30
+    assert got[f"ppo_logprobs_shared_tokens_total{{{reference}}}"] == 0
+    buckets = {le: got[f'ppo_logprobs_latency_seconds_bucket{{le="{le}",{policy}}}']
+               for le in ("0.01", "0.025", "0.25", "0.5", "30.0", "+Inf")}
+    assert buckets == {"0.01": 0, "0.025": 1, "0.25": 1, "0.5": 2, "30.0": 2, "+Inf": 2}
+    assert got[f"ppo_logprobs_latency_seconds_count{{{policy}}}"] == 2
+    assert got[f"ppo_logprobs_latency_seconds_sum{{{policy}}}"] == pytest.approx(0.32)
+    assert got[f'ppo_logprobs_latency_seconds_bucket{{le="30.0",{reference}}}'] == 0  # (over the last bucket)
+    assert got[f'ppo_logprobs_latency_seconds_bucket{{le="+Inf",{reference}}}'] == 1
+
+
+def test_each_replica_has_a_registry_of_its_own():
+    a, b = GatewayMetrics("a"), GatewayMetrics("b")  # (one registry for both would refuse the second's names)
+    a.observe("policy", 5, 0.1)
+    assert exported(a)['ppo_logprobs_tokens_total{model="policy",replica="a"}'] == 5
+    assert not any(series.startswith("ppo_logprobs_tokens_total") for series in exported(b))
+
+
+def test_rollout_mismatch_is_one_observation_per_sequence_of_each_statistic():
+    metrics = GatewayMetrics("r")
+    stats = {"mean_abs": np.array([0.5, 0.1, 0.0]), "max_abs": np.array([2.0, 0.005, 0.0]),
+             "kl_k3": np.array([0.5, 5e-6, 0.0]), "outside": np.array([0.3, 0.0, 0.0])}
+    metrics.observe_mismatch("policy", stats)
+    got, labels = exported(metrics), 'model="policy",replica="r"'
+    for name, statistic in (("kl", "kl_k3"), ("max_abs", "max_abs"), ("outside", "outside")):
+        assert got[f"ppo_logprobs_mismatch_{name}_count{{{labels}}}"] == 3
+        assert got[f"ppo_logprobs_mismatch_{name}_sum{{{labels}}}"] == pytest.approx(stats[statistic].sum())
+    assert [got[f'ppo_logprobs_mismatch_kl_bucket{{le="{le}",{labels}}}'] for le in ("1e-06", "1e-05", "0.1", "1.0")] \
+        == [1, 2, 2, 3]
+    assert [got[f'ppo_logprobs_mismatch_max_abs_bucket{{le="{le}",{labels}}}'] for le in ("0.0001", "0.01", "5.0")] \
+        == [1, 2, 3]
+    assert [got[f'ppo_logprobs_mismatch_outside_bucket{{le="{le}",{labels}}}'] for le in ("0.0", "0.25", "1.0")] \
+        == [2, 2, 3]
+    assert not any("mean_abs" in series for series in got)  # (not exported)
+
+
+class Held:
+    """The worker's scores, each call held until the test lets it answer; `started` is set once one has begun."""
+
+    def __init__(self, worker: LogProbWorker) -> None:
+        self.worker = worker
+        self.started = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def __call__(self, request):
+        self.started.set()
+        await self.answer.wait()
+        return self.worker.score_request(request)
+
+
+def test_the_queue_the_calls_and_the_batch_fill_are_sampled_from_the_models_batchers():
+    worker = LogProbWorker("tiny", backend="torch")
+    rng = np.random.default_rng(0)
+    first = worker.request(rng.integers(0, TINY_VOCAB, (2, 10)).tolist(), return_entropy=False)  # 20 tokens
+    second = worker.request(rng.integers(0, TINY_VOCAB, (3, 10)).tolist(), return_entropy=False)  # 30 tokens
+    metrics = GatewayMetrics("r")
+    labels = 'model="policy",replica="r"'
+
+    def sampled(models) -> tuple:
+        metrics.sample(models)
+        got = exported(metrics)
+        return tuple(got.get(f"ppo_logprobs_{name}{{{labels}}}") for name in ("queue_depth", "worker_calls",
+                                                                                "batch_fill"))
+
+    async def run():
+        held = Held(worker)
+        batcher = Batcher(held, batch_tokens=64, wait_s=0, max_queue=4, max_in_flight=1)
+        models = {"policy": ServedModel(None, batcher, TINY_VOCAB)}
+        seen = [sampled(models)]
+        calls = [asyncio.ensure_future(batcher.submit(first))]
+        await held.started.wait()  # the first call holds the only slot
+        calls.append(asyncio.ensure_future(batcher.submit(second)))
+        while not batcher.waiting:
+            await asyncio.sleep(0)
+        seen.append(sampled(models))
+        held.answer.set()
+        results = await asyncio.gather(*calls)
+        seen.append(sampled(models))
+        return seen, results
+
+    seen, results = asyncio.run(run())
+    assert seen == [(0, 0, None),  # nothing yet: no fill to report
+                    (1, 1, 0),  # one call started (not answered), one request waiting
+                    (0, 2, 50 / 2 / 64)]  # two calls of 20 and 30 tokens, out of 64 each
+    assert [len(result) for result, _ in results] == [2, 3]
+
+
+def http_scope(path="/healthz") -> dict:
+    return {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+
+
+async def answer_ok(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 204, "headers": [(b"x-inner", b"1")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def test_count_counts_each_answer_by_status_and_names_the_replica():
+    async def run(scope):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await _Count(answer_ok)(scope, None, send)
+        return sent
+
+    with registered(Gateway(Settings(api_key=""), {}, replica="replica-a")) as gw:
+        sent = asyncio.run(run(http_scope()))
+        asyncio.run(run(http_scope()))
+        got = exported(gw.metrics)
+    assert sent == [{"type": "http.response.start", "status": 204,
+                     "headers": [(b"x-inner", b"1"), (b"x-replica", b"replica-a")]},
+                    {"type": "http.response.body", "body": b""}]
+    assert got['ppo_logprobs_requests_total{replica="replica-a",status="204"}'] == 2
+
+
+def test_count_passes_through_what_is_not_http_and_everything_before_the_gateway_is_registered():
+    passed = []
+
+    async def inner(scope, receive, send):
+        passed.append(send)
+
+    async def send(message):
+        pass
+
+    gw = Gateway(Settings(api_key=""), {}, replica="replica-a")
+    with registered(gw):
+        asyncio.run(_Count(inner)({"type": "lifespan"}, None, send))
+    with registered(None):
+        asyncio.run(_Count(inner)(http_scope(), None, send))
+    assert passed == [send, send]  # (the server's own send: nothing counted, no header added)
+    assert not any(series.startswith("ppo_logprobs_requests_total") for series in exported(gw.metrics))
+
+
+def test_the_app_counts_its_answers_and_maps_the_errors_fastapi_raises_itself():
+    client = TestClient(make_fastapi())
+    with registered(None):  # before the replica registers its gateway
+        r = client.get("/readyz")
+        assert (r.status_code, r.json(), r.headers["retry-after"]) == (503, {"detail": "the gateway is starting"}, "5")
+        assert "x-replica" not in r.headers
+    with registered(Gateway(Settings(api_key="s3cret"), {}, replica="replica-a")) as gw:
+        r = client.get("/healthz")
+        assert (r.status_code, r.json(), r.headers["x-replica"]) == (200, {"status": "ok"}, "replica-a")
+        r = client.get("/v1/health")
+        assert r.status_code == 401 and r.json() == {
+            "detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"}
+        r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 422 and r.json() == {"detail": "path: Input should be a valid string (got 5)"}
+        got = exported(gw.metrics)
+    assert {status: got[f'ppo_logprobs_requests_total{{replica="replica-a",status="{status}"}}']
+            for status in ("200", "401", "422")} == {"200": 1, "401": 1, "422": 1}
