@@ -221,3 +221,16 @@ def test_layers_import_only_downward():
     assert not bad, f"imports of a higher layer ({' < '.join(ORDER)}; the client only the contract):\n" + "\n".join(
         map(str, bad)
     )
+
+
+def test_a_process_holding_only_a_pools_handles_loads_no_torch():
+    """What an ingress replica, a pool's owner and the pool's scoring tasks import (the gateway's app, the pool's
+    handle class, the client) loads neither torch nor transformers: each such process starts in a fraction of the
+    time, and a worker process Ray reuses for one of them stays light. test_gateway checks it of live replicas."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ppo_logprobs.service.app, ppo_logprobs.workers.pool.worker_pool, ppo_logprobs.client; "
+            "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -5,9 +5,10 @@ streams by it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from torch import Tensor
+if TYPE_CHECKING:  # (the pool's handles import this module in processes that never load torch)
+    from torch import Tensor
 
 from .families import FAMILIES as ALL_FAMILIES
 
