@@ -17,7 +17,7 @@ from .torch_log_probs import Extras
 from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_TOP_K = 256  # the widest top-k the Triton kernels keep (a tile holds a top list)
+MAX_TOP_K = 256  # the widest top-k the Triton kernels keep (a vocabulary tile holds a top list: its width caps k)
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
