@@ -17,11 +17,12 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 
-# two pytest processes, a test file each at a time (a file's Ray cluster and fixtures stay in one process): the Ray
-# tests wait on process starts a third of the time, which the other process fills
+# two pytest processes: one runs the files that start Ray clusters, one after the other (one Ray on the machine at a
+# time), the other the rest, a file at a time (tests/conftest.py groups them); the Ray tests wait on process starts
+# a third of the time, which the other process fills
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
 
 # the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
 serve: install
