@@ -27,7 +27,10 @@ def served(request, tmp_path_factory):
     port = free_port()
     env = {**os.environ, "PPO_LOGPROBS_API_KEY": "s3cret", "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1",
            # the stop at the end need not hold each replica open 30 s for load balancers to deregister it
-           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+           # HAProxy's metrics and statistics frontends on ports of their own: Ray's fixed defaults (9101, 8404)
+           # may still be held by an HAProxy of an earlier run that has not yet exited, and HAProxy then exits
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port())}
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
