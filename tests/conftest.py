@@ -26,3 +26,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(_RAY) else path))
+
+
+def _ray_processes() -> set[int]:
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or ())
+        if proc.info["name"] in ("gcs_server", "raylet") or "ray::" in cmdline or "ServeReplica:" in cmdline \
+                or "haproxy" in (proc.info["name"] or ""):
+            found.add(proc.pid)
+    return found
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ray_gone_after_the_file(request):
+    """After a file that started a Ray cluster, wait until that cluster's processes have exited: ray.shutdown() does
+    not wait for them, and the next file's Ray would otherwise meet them (a second GCS on the machine, for
+    connect_pool() to choose from; a second replica of a deployment's name)."""
+    if not request.node.nodeid.startswith(_RAY):
+        yield
+        return
+    import time
+
+    before = _ray_processes()
+    yield
+    deadline = time.monotonic() + 60
+    while _ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
