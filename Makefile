@@ -17,12 +17,16 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 
-# two pytest processes: one runs the files that start Ray clusters, one after the other (one Ray on the machine at a
-# time), the other the rest, a file at a time (tests/conftest.py groups them); the Ray tests wait on process starts
-# a third of the time, which the other process fills
-TEST_WORKERS ?= 2
+# two pytest processes side by side: one runs the files that start Ray clusters, one after the other (one Ray on the
+# machine at a time, as the service and connect_pool() expect), the other the rest (its report printed after); the
+# Ray tests wait on process starts a third of the time, which the other fills
+RAY_TESTS := tests/service tests/workers/pool tests/client tests/deploy tests/examples
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup tests
+	@$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/service --ignore=tests/workers/pool \
+	  --ignore=tests/client --ignore=tests/deploy --ignore=tests/examples > .test-rest.log 2>&1 & rest=$$!; \
+	$(PY) -m pytest $(RAY_TESTS); ray=$$?; wait $$rest; other=$$?; \
+	echo "== the other tests (tests/workers but its pool, tests/test_layers.py) =="; cat .test-rest.log; \
+	exit $$(( ray || other ))
 
 # the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
 serve: install

@@ -14,18 +14,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
-# `make test` runs two pytest processes (pytest-xdist, --dist loadgroup). The files that start Ray clusters are one
-# group, run one after the other by one process: a machine then runs one Ray at a time, as the service and
-# `connect_pool()` (which joins "the Ray on this machine") expect. Every other file is a group of its own, spread
-# over both processes. The Ray files are collected first, so the short files fill the end of the run.
+# The files that start Ray clusters (`make test` runs them in one pytest process, the rest in another beside it)
 _RAY = ("tests/service/", "tests/workers/pool/", "tests/client/", "tests/deploy/", "tests/examples/")
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: not item.nodeid.startswith(_RAY))  # (stable: each file's order kept)
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(_RAY) else path))
 
 
 def _ray_processes() -> set[int]:
