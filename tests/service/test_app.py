@@ -4,7 +4,6 @@ sampled from a real Batcher in front of a LogProbWorker), _Count (answers counte
 FastAPI app mapping the errors FastAPI raises itself."""
 
 import asyncio
-import contextlib
 
 import numpy as np
 import pytest
@@ -14,21 +13,10 @@ from prometheus_client import generate_latest
 from ppo_logprobs.service import Settings
 from ppo_logprobs.service.app import Gateway, GatewayMetrics, ServedModel, _Count, make_fastapi, share
 from ppo_logprobs.service.batcher import Batcher
-from ppo_logprobs.service.routes import current_gateway, set_gateway
 from ppo_logprobs.workers import LogProbWorker
 
 from ..helpers import TINY_VOCAB
-
-
-@contextlib.contextmanager
-def registered(gw):
-    """This replica's gateway is `gw` for the block, and what it was before after it."""
-    before = current_gateway()
-    set_gateway(gw)
-    try:
-        yield gw
-    finally:
-        set_gateway(before)
+from .test_routes import registered
 
 
 def exported(metrics: GatewayMetrics) -> dict[str, float]:
