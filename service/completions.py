@@ -74,9 +74,9 @@ def scoring_inputs(prompts: list[list[int]], body: CompletionRequest, *, vocab_s
         if len(p) + extra > max_length:
             raise TooLarge(f"{where} has {len(p)} tokens; this model takes at most {max_length - extra}"
                            + (" with max_tokens 1" if extra else ""))
-        for j, x in enumerate(p):
-            if not 0 <= x < vocab_size:
-                raise RequestError(f"{where}[{j}] = {x} is outside the vocabulary [0, {vocab_size})")
+        if p and (min(p) < 0 or max(p) >= vocab_size):  # (min and max in C; the Python scan only to name it)
+            j = next(j for j, x in enumerate(p) if not 0 <= x < vocab_size)
+            raise RequestError(f"{where}[{j}] = {p[j]} is outside the vocabulary [0, {vocab_size})")
     for field in ("logprobs", "prompt_logprobs"):
         if (asked := getattr(body, field)) is not None and asked > max_top_k:
             raise RequestError(f"{field} = {asked}: this service gives at most {max_top_k} (its max_top_k)")
