@@ -88,12 +88,18 @@ def check_loaded(path):
     which this rank reads only its parts, score as the whole model."""
     ids = torch.randint(0, 503, (2, 30), generator=torch.Generator().manual_seed(8))
     for source in ("tiny", path):
-        whole = load_model(source, backend="torch")
-        part = load_model(source, backend="torch", process_group=dist.group.WORLD)
-        with torch.no_grad():
-            want, got = whole(input_ids=ids), part(input_ids=ids)
-        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
-        torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+        scores_as_the_whole(source, ids)
+
+
+def scores_as_the_whole(source, ids):
+    """(the whole model, this rank's scores): `source` loaded whole and as this rank's part, scoring alike."""
+    whole = load_model(source, backend="torch")
+    part = load_model(source, backend="torch", process_group=dist.group.WORLD)
+    with torch.no_grad():
+        want, got = whole(input_ids=ids), part(input_ids=ids)
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+    return whole, got
 
 
 def check_loaded_mixture(path):
@@ -102,12 +108,7 @@ def check_loaded_mixture(path):
     from ppo_logprobs.workers.weights.holder import WeightsHolder
 
     ids = torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(8))
-    whole = load_model(path, backend="torch")
-    part = load_model(path, backend="torch", process_group=dist.group.WORLD)
-    with torch.no_grad():
-        want, got = whole(input_ids=ids), part(input_ids=ids)
-    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+    whole, got = scores_as_the_whole(path, ids)
     rebuilt = load_model("", config=whole.config.to_dict(), backend="torch", process_group=dist.group.WORLD)
     WeightsHolder(rebuilt, 0).update_weights(dict(whole.state_dict()), version=1)
     with torch.no_grad():
