@@ -81,13 +81,31 @@ def hf_scores(model, seqs: list[list[int]], device: str):
 
 
 def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
-    """The kernels of one scoring call (ours, after a warm-up call), by total device time."""
+    """The kernels of one scoring call (ours, after a warm-up call), by total device time; on CUDA also where the
+    host waits for the device (the Python lines of synchronizing calls) and where the device waits for the host
+    (idle time between kernels, by the kernel that ends the wait)."""
+    import collections
+    import tempfile
+    import warnings
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     patch_model(model, backend="torch" if tiny else "auto")
     worker = LogProbWorker(model)
     worker.score(seqs)
+    print(f"one call, unprofiled: {timed(lambda: worker.score(seqs), cuda, 3) * 1e3:.1f} ms (median of 3)", flush=True)
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            worker.score(seqs)
+        torch.cuda.set_sync_debug_mode(0)
+        where = collections.Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        print("host waits on the device (synchronizing calls in one scoring call):", flush=True)
+        for line, n in where.most_common(15):
+            print(f"  {n:5d}  {line}", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profiler(activities=activities) as prof:
         worker.score(seqs)
@@ -95,6 +113,22 @@ def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
             torch.cuda.synchronize()
     key = "device_time_total" if cuda else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+    if not cuda:
+        return
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    idle, after = 0.0, collections.Counter()
+    for (_, end, _), (start, _, name) in zip(kernels, kernels[1:]):
+        if start > end:
+            idle += start - end
+            after[name[:60]] += start - end
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3
+    print(f"device idle between kernels: {idle / 1e3:.1f} ms of {span:.1f} ms from first kernel to last; "
+          "the largest waits end at:", flush=True)
+    for name, us in after.most_common(12):
+        print(f"  {us / 1e3:8.2f} ms  {name}", flush=True)
 
 
 def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool) -> None:
@@ -111,11 +145,9 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     down = torch.randn(e, h, i, device=device, dtype=dtype, generator=g) * 0.02
     index = torch.randn(tokens, e, device=device, generator=g).topk(k, dim=-1).indices
     weights = torch.rand(tokens, k, device=device, generator=g)
-    order, counts = sort_by_expert(index, e)
-    source = order // k
+    order, source, position, counts = sort_by_expert(index, e, "triton")
     middle = gg.grouped_gate_up(hidden, gate_up, counts, source=source)
     out = gg.grouped_gemm(middle, down, counts)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=device))
     flops = 2 * tokens * k * h * i
     timer = (lambda fn: triton_bench(fn)) if cuda else (lambda fn: timed(fn, False, 1) * 1e3)
     rows = []
@@ -133,23 +165,25 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
         row("torch._grouped_mm down", lambda: torch._grouped_mm(middle, down.transpose(-2, -1), offs=offsets), flops)
         a, b = torch.randn(tokens * k, h, device=device, dtype=dtype), torch.randn(h, 2 * i, device=device, dtype=dtype)
         row("dense GEMM of gate_up's FLOPs", lambda: a @ b, 2 * flops)
-    configs = [gg._tiles(dtype)] + ([gg.Tiles(*c) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-                                                              (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-                                                              (128, 256, 64, 8, 3), (128, 128, 32, 4, 4))]
-                                    if cuda else [])
+    gate_up_tilings = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 2), (64, 128, 64, 4, 4),
+                       (128, 64, 64, 4, 4)]
+    down_tilings = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 2),
+                    (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]
     default = gg._tiles
     try:
-        for tiles in configs:
-            gg._tiles = lambda _dtype, tiles=tiles: tiles
-            label = "x".join(map(str, tiles[:3])) + f" w{tiles.num_warps} s{tiles.num_stages}"
-            try:
-                row(f"ours gate_up+silu {label}", lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source),
-                    2 * flops)
-                row(f"ours down {label}", lambda: gg.grouped_gemm(middle, down, counts), flops)
-            except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
-                print(f"{label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
+        for name, tilings, product in (
+                ("gate_up+silu", gate_up_tilings, lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source)),
+                ("down", down_tilings, lambda: gg.grouped_gemm(middle, down, counts))):
+            for tiles in [default(dtype)] + ([gg.Tiles(*c) for c in tilings] if cuda else []):
+                gg._tiles = lambda _dtype, tiles=tiles: tiles
+                label = "x".join(map(str, tiles[:3])) + f" w{tiles.num_warps} s{tiles.num_stages}"
+                try:
+                    row(f"ours {name} {label}", product, (2 if name == "down" else 4) * flops / 2)
+                except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
+                    print(f"{name} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
     finally:
         gg._tiles = default
+    row("ours sort by expert", lambda: sort_by_expert(index, e, "triton"), 0)
     row("ours combine", lambda: gg.combine(out, position.view(tokens, k), weights), 0)
 
 

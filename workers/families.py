@@ -3,7 +3,7 @@
 For each HF `model_type`: the class-name prefix of its modules (`<prefix>RMSNorm`, `<prefix>Attention`), the config
 field of its final-logit softcap, how its RMSNorm scales (fused when known), where its attention's sliding window
 comes from (fused when known: the module, its config, or none), whether it runs tensor parallel, and whether its
-MoE blocks' experts (`<prefix>Experts`) run sorted by expert (models/experts.py).
+MoE blocks' experts (`<prefix>Experts`) run sorted by expert (models/experts.py) and how its router weighs them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,14 @@ class Family:
     window: Literal["none", "config", "module"] | None = None  # its attention, fused; None: HF's own forward
     tensor_parallel: bool = False
     experts: bool = False  # mixture of experts: its `<prefix>Experts` modules run models/experts.py
+    # its softmax top-k router (`<prefix>TopKRouter`) in one kernel (models/router.py): (the attribute saying whether
+    # it renormalises its top k, None: always; its weights' dtype: the logits' or fp32)
+    router: tuple[str | None, Literal["logits", "float32"]] | None = None
 
 
 _LLAMA_NORM = ("llama", "variance_epsilon")
 _GEMMA_NORM = ("gemma", "eps")
+_QWEN_ROUTER = ("norm_topk_prob", "logits")
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", norm=_LLAMA_NORM, window="none", tensor_parallel=True),
     "mistral": Family("Mistral", norm=_LLAMA_NORM, window="config", tensor_parallel=True),
@@ -33,9 +37,13 @@ FAMILIES: dict[str, Family] = {
     "gemma2": Family("Gemma2", softcap="final_logit_softcapping", norm=_GEMMA_NORM),
     "gemma3_text": Family("Gemma3", softcap="final_logit_softcapping", norm=_GEMMA_NORM, window="module",
                           tensor_parallel=True),
-    # mixtures of experts (the router stays HF's: softmax or sigmoid, norm_topk_prob, shared experts)
-    "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True),
-    "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True),
-    "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", tensor_parallel=True, experts=True),
-    "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True),  # (q/k norms span all heads: HF's attention, no TP)
+    # mixtures of experts (shared experts stay HF's modules)
+    "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True,
+                        router=_QWEN_ROUTER),
+    "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True,
+                        router=_QWEN_ROUTER),
+    "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", tensor_parallel=True, experts=True,
+                      router=(None, "float32")),
+    # (q/k norms span all heads: HF's attention, no TP)
+    "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True, router=_QWEN_ROUTER),
 }

@@ -360,20 +360,52 @@ def _triton_combine_splits_kernel(
                      tl.where(ignored | (ids < 0), 0.0, z_c - lse), mask=ok)
 
 
+@triton.jit
+def _schedule_kernel(counts_ptr, group_ptr, start_ptr, end_ptr, G, programs, BLOCK_M: tl.constexpr,
+                     BINS: tl.constexpr, TILES: tl.constexpr):
+    """TILES programs of a grouped launch: each program's group, first row and its group's end (see group_schedule)."""
+    bins = tl.arange(0, BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < G, other=0).to(tl.int64)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(tiles, 0)  # (the groups past G: no tiles)
+    ends = tl.cumsum(counts, 0)
+    program = tl.program_id(0) * TILES + tl.arange(0, TILES)
+    group = tl.sum((last[None, :] <= program[:, None]).to(tl.int32), axis=1)  # (the groups wholly before it)
+    mine = bins[None, :] == group[:, None]
+    first_tile = tl.sum(tl.where(mine, (last - tiles)[None, :], 0), axis=1)
+    end = tl.sum(tl.where(mine, ends[None, :], 0), axis=1)
+    start = end - tl.sum(tl.where(mine, counts[None, :], 0), axis=1) + (program - first_tile) * BLOCK_M
+    spare = group >= G
+    inside = program < programs
+    tl.store(group_ptr + program, tl.where(spare, -1, group).to(tl.int64), mask=inside)
+    tl.store(start_ptr + program, tl.where(spare, 0, start), mask=inside)
+    tl.store(end_ptr + program, tl.where(spare, 0, end), mask=inside)
+
+
 def group_schedule(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
-    """For a grouped launch over `rows` rows sorted by group (counts[g] rows in group g), per program: its group
-    (-1 for the spare programs of a grid sized for the worst case, so that no count is read back to the host), its
-    first row and the end of its group's rows. Built on the device."""
+    """For a grouped launch over `rows` rows sorted by group (counts[g] rows in group g, a device tensor), per
+    program: its group (-1 for the spare programs of a grid sized for the worst case, so that no count is read back
+    to the host), its first row and the end of its group's rows (spares: no rows). One kernel."""
+    programs = triton.cdiv(rows, block_m) + len(counts)  # (at least sum(tiles))
+    group, start, end = torch.empty(3, programs, dtype=torch.int64, device=counts.device)
+    bins = triton.next_power_of_2(len(counts))
+    tiles = max(1, min(128, 8192 // bins))
+    _schedule_kernel[(triton.cdiv(programs, tiles),)](counts, group, start, end, len(counts), programs,
+                                                      BLOCK_M=block_m, BINS=bins, TILES=tiles)
+    return group, start, end
+
+
+def group_schedule_reference(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """group_schedule in torch: the statement of what each program takes."""
     tiles = (counts + block_m - 1) // block_m
     last = torch.cumsum(tiles, 0)
-    grid = triton.cdiv(rows, block_m) + len(counts)  # (at least sum(tiles))
-    program = torch.arange(grid, device=counts.device)
+    program = torch.arange(triton.cdiv(rows, block_m) + len(counts), device=counts.device)
     group = torch.searchsorted(last, program, right=True)
+    spare = group == len(counts)
     known = group.clamp(max=len(counts) - 1)
     ends = torch.cumsum(counts, 0)
     start = ends[known] - counts[known] + (program - last[known] + tiles[known]) * block_m
-    spare = group == len(counts)
-    return group.masked_fill(spare, -1), start, torch.where(spare, start, ends[known])  # (spares: no rows)
+    return (group.masked_fill(spare, -1), start.masked_fill(spare, 0), ends[known].masked_fill(spare, 0))
 
 
 def top_width(k: int) -> int:

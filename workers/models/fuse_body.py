@@ -1,5 +1,5 @@
 """The decoder body's memory-bound work in our Triton kernels: RMSNorm (rms_norm.py), the SiLU-gated MLP's middle
-(silu_mul.py), mixture-of-experts layers sorted by expert (experts.py), and, for rows of packed sequences, the
+(silu_mul.py), mixture-of-experts layers sorted by expert (experts.py) and their routers (router.py), and, for rows of packed sequences, the
 attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen kernel
 (varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
 
@@ -13,7 +13,9 @@ from __future__ import annotations
 import types
 from functools import partial
 
+import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ..families import FAMILIES
 from ..head import Backend, resolve_backend
@@ -21,6 +23,7 @@ from . import varlen_attention
 from .experts import experts_forward
 from .rms_norm import rms_norm
 from .rotary import rotary, rotary_reference
+from .router import route
 from .silu_mul import silu_mul
 
 # RMSNorm classes -> (formula, the attribute holding eps): see rms_norm.py
@@ -29,6 +32,7 @@ _NORMS = {f"{f.prefix}RMSNorm": f.norm for f in FAMILIES.values() if f.norm}  # 
 # sliding window they pass to the attention function comes from: the module, its config, or nowhere
 _ATTENTIONS = {f"{f.prefix}Attention": f.window for f in FAMILIES.values() if f.window}
 _EXPERTS = {f"{f.prefix}Experts" for f in FAMILIES.values() if f.experts}  # MoE experts: models/experts.py
+_ROUTERS = {f"{f.prefix}TopKRouter": f.router for f in FAMILIES.values() if f.router}  # (see families.py)
 _MLPS = {f"{f.prefix}MLP" for f in FAMILIES.values()}  # (those with gate/up/down and SiLU: silu_mul.py)
 
 
@@ -42,6 +46,16 @@ def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
     if resolve_backend(backend, x.device) == "triton":
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
     return type(self).forward(self, x)
+
+
+def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str | None, dtype: str, backend: Backend
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    if resolve_backend(backend, hidden_states.device) != "triton":
+        return type(self).forward(self, hidden_states)
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    weights, index = route(logits, self.top_k, renormalize is None or getattr(self, renormalize),
+                           logits.dtype if dtype == "logits" else torch.float32)
+    return logits, weights, index
 
 
 def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend, **kwargs
@@ -73,6 +87,8 @@ def _fusable(model: nn.Module):
             forward = partial(_attention_forward, window=_ATTENTIONS[name])
         elif name in _EXPERTS:
             forward = experts_forward
+        elif name in _ROUTERS:
+            forward = partial(_router_forward, renormalize=_ROUTERS[name][0], dtype=_ROUTERS[name][1])
         elif (name in _MLPS and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
             forward = _mlp_forward

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, group_schedule, interpreting
 
@@ -37,64 +38,98 @@ def _tiles(dtype: torch.dtype) -> Tiles:
 
 
 @triton.jit
-def _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's expert (-1: no tile, the grid's spare), rows and columns (and which are in range)."""
-    tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    rows = tl.load(tile_row_ptr + tile).to(tl.int64) + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, rows, cols, rows < tl.load(tile_end_ptr + tile).to(tl.int64), cols < N
-
-
-@triton.jit
-def _grouped_gemm_kernel(x_ptr, source_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K, E,
-                         stride_we, stride_wn, GATED: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_gemm_kernel(x, source_ptr, w, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, K, E, W_ROWS,
+                         GATED: tl.constexpr, GATHER: tl.constexpr, X_TMA: tl.constexpr, W_TMA: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
     """out[rows] = x[rows] @ w[expert].T for one tile of an expert's rows; x's row r is x[source[r]] with GATHER.
+    w is [E * W_ROWS, K] (the experts' weights stacked), x [rows, K]: tensor descriptors (the copy engine) with
+    W_TMA and X_TMA, else pointers. Rows or columns read past a tile's own (another expert's) are never stored.
 
     GATED: silu(x @ gate.T) * (x @ up.T) for an expert's weight [2N, K] (gate rows first): both products of a tile
     at once, the middle in the epilogue, rounded as silu_mul.py rounds (silu in fp32, rounded to the dtype, times
     up in fp32, rounded again). Tiles of expert E (rows routed to no expert) store zeros."""
-    expert, rows, cols, row_ok, col_ok = _tile(tile_expert_ptr, tile_row_ptr, tile_end_ptr, N, BLOCK_M, BLOCK_N)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0) // col_blocks  # (a tile's column blocks run side by side: its rows are read once)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int32)  # -1: no tile, the grid's spare
+    row0 = tl.load(tile_row_ptr + tile).to(tl.int32)
+    col0 = tl.program_id(0) % col_blocks * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < tl.load(tile_end_ptr + tile).to(tl.int32)
+    col_ok = cols < N
     k_end = K * ((expert >= 0) & (expert < E)).to(tl.int32)  # (no expert: no products, zeros out)
-    x_rows = tl.load(source_ptr + rows, mask=row_ok, other=0).to(tl.int64) if GATHER else rows
+    x_rows = tl.load(source_ptr + rows, mask=row_ok, other=0) if GATHER else rows
+    w_row = expert * W_ROWS + col0  # (the gate's rows; up's are N further)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = offs_k + k0 < K
-        x = tl.load(x_ptr + x_rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        at = w_ptr + expert * stride_we + (k0 + offs_k)[:, None]
-        mask = col_ok[None, :] & k_ok[:, None]
-        acc = _dot(x, tl.load(at + cols[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0), acc,
-                   DOT_PRECISION)
-        if GATED:
-            up = _dot(x, tl.load(at + (cols + N)[None, :].to(tl.int64) * stride_wn, mask=mask, other=0.0), up,
-                      DOT_PRECISION)
+        if X_TMA:
+            a = x.load([row0, k0])
+        else:
+            a = tl.load(x + x_rows.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if W_TMA:
+            acc = _dot(a, w.load([w_row, k0]).T, acc, DOT_PRECISION)
+            if GATED:
+                up = _dot(a, w.load([w_row + N, k0]).T, up, DOT_PRECISION)
+        else:
+            at = w + (k0 + offs_k)[:, None]
+            mask = col_ok[None, :] & k_ok[:, None]
+            acc = _dot(a, tl.load(at + (w_row + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :] * K, mask=mask,
+                                  other=0.0), acc, DOT_PRECISION)
+            if GATED:
+                up = _dot(a, tl.load(at + (w_row + N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :] * K,
+                                     mask=mask, other=0.0), up, DOT_PRECISION)
     if GATED:
         dtype = out_ptr.dtype.element_ty
         g = acc.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
+class Groups(NamedTuple):
+    """Rows sorted by expert and the grouped kernel's schedule over them (groups()): built once, used by each product
+    over the same rows (an expert layer's gate/up and down)."""
+    counts: Tensor  # [experts + 1], int64, on the device
+    expert: Tensor  # per program: its expert (-1: a spare), first row, end of its expert's rows
+    row: Tensor
+    end: Tensor
+
+
+def groups(counts: Tensor, rows: int, dtype: torch.dtype) -> Groups:
+    """The schedule of the grouped kernels for `rows` rows of `dtype` grouped by `counts` (a device tensor: nothing
+    is read back to the host)."""
+    return Groups(counts, *group_schedule(counts, rows, _tiles(dtype).block_m))
+
+
+def _operand(t: Tensor, block: list[int]) -> tuple[object, bool]:
+    """A tensor descriptor of 2D `t` for the copy engine (Hopper and later, rows of whole 16 bytes), else `t`.
+    The choice depends on the device, dtype and row size only: never on a call's rows."""
+    hopper = interpreting() or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)
+    if not (hopper and t.shape[1] * t.element_size() % 16 == 0):
+        return t, False
+    return TensorDescriptor.from_tensor(t if t.data_ptr() % 16 == 0 else t.clone(), block), True
+
+
+def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gated: bool) -> Tensor:
     k = x.shape[1]
-    rows = x.shape[0] if source is None else source.shape[0]
-    num_experts, n, _ = weight.shape
-    n = n // 2 if gated else n
-    out = x.new_empty(rows, n)
+    num_experts, w_rows, _ = weight.shape
+    n = w_rows // 2 if gated else w_rows
+    out = x.new_empty(x.shape[0] if source is None else source.shape[0], n)
     tiles = _tiles(x.dtype)
-    # E + 1 groups, the last the rows of no expert
-    expert, row, end = group_schedule(counts.to(x.device, torch.int64), rows, tiles.block_m)
     x, weight = x.contiguous(), weight.contiguous()
-    _grouped_gemm_kernel[(expert.numel(), triton.cdiv(n, tiles.block_n))](
-        x, source if source is not None else expert, weight, out, expert, row, end, n, k, num_experts,
-        weight.stride(0), weight.stride(1), GATED=gated, GATHER=source is not None, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x.dtype),
+    x_arg, x_tma = (x, False) if source is not None else _operand(x, [tiles.block_m, tiles.block_k])
+    w_arg, w_tma = _operand(weight.view(-1, k), [tiles.block_n, tiles.block_k])
+    _grouped_gemm_kernel[(rows.expert.numel() * triton.cdiv(n, tiles.block_n),)](
+        x_arg, source if source is not None else rows.expert, w_arg, out, rows.expert, rows.row, rows.end, n, k,
+        num_experts, w_rows, GATED=gated, GATHER=source is not None, X_TMA=x_tma, W_TMA=w_tma,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
@@ -116,10 +151,10 @@ def grouped_linear(x: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Ten
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, counts: Tensor, source: Tensor | None, gated: bool) -> Tensor:
-        ctx.save_for_backward(x, weight, counts, source)
+    def forward(ctx, x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gated: bool) -> Tensor:
+        ctx.save_for_backward(x, weight, rows.counts, source)
         ctx.gated = gated
-        return _launch(x, weight, counts, source, gated)
+        return _launch(x, weight, rows, source, gated)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -137,29 +172,35 @@ class _GroupedGemm(torch.autograd.Function):
         return d_x, d_w, None, None, None
 
 
-def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int] | Tensor, source: Tensor | None = None) -> Tensor:
+def grouped_gate_up(x: Tensor, gate_up: Tensor, counts: list[int] | Tensor | Groups,
+                    source: Tensor | None = None) -> Tensor:
     """silu(gate) * up of a mixture's experts in one grouped kernel: gate_up [experts, 2I, in] (gate rows first, as
     HF stores them), x as grouped_gemm takes it, or with `source` [rows] (int64) the rows x[source] in that order,
     read in place (no gathered copy); [rows, I]. Differentiable in x and gate_up."""
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must hold gate and up rows alike, got {gate_up.shape[1]} rows")
-    counts = _check(x, gate_up, counts, "gate_up", "2I", len(x) if source is None else len(source))
-    return _GroupedGemm.apply(x, gate_up, counts, source, True)
+    rows = _check(x, gate_up, counts, "gate_up", "2I", len(x) if source is None else len(source))
+    return _GroupedGemm.apply(x, gate_up, rows, source, True)
 
 
-def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int] | Tensor) -> Tensor:
+def grouped_gemm(x: Tensor, weight: Tensor, counts: list[int] | Tensor | Groups) -> Tensor:
     """x [rows, in] grouped by expert (counts[e] rows for expert e, in order; the last count: rows of no expert,
     zeros) times weight [experts, out, in] transposed: [rows, out]. Differentiable in x and weight. `counts` as a
-    device tensor reads nothing back to the host (on the kernels' path)."""
-    counts = _check(x, weight, counts, "weight", "out", len(x))
-    return _GroupedGemm.apply(x, weight, counts, None, False)
+    device tensor, or as Groups (groups(): the schedule too, built once for several products), reads nothing back
+    to the host (on the kernels' path)."""
+    rows = _check(x, weight, counts, "weight", "out", len(x))
+    return _GroupedGemm.apply(x, weight, rows, None, False)
 
 
-def _check(x: Tensor, weight: Tensor, counts: list[int] | Tensor, name: str, out: str, rows: int) -> Tensor:
-    """The counts as a tensor [experts + 1], after checking shapes (and, for a list, the rows it counts)."""
+def _check(x: Tensor, weight: Tensor, counts: list[int] | Tensor | Groups, name: str, out: str, rows: int) -> Groups:
+    """The counts with their schedule, after checking shapes (and, for a list, the rows it counts)."""
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2] or x.dtype != weight.dtype:
         raise ValueError(f"x must be [rows, in] and {name} [experts, {out}, in] of its dtype, got {tuple(x.shape)} "
                          f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    if isinstance(counts, Groups):
+        counts, schedule = counts.counts, counts
+    else:
+        schedule = None
     if len(counts) != weight.shape[0] + 1:
         raise ValueError(f"counts must have one entry per expert and one for rows of none ({weight.shape[0] + 1}), "
                          f"got {len(counts)}")
@@ -167,7 +208,7 @@ def _check(x: Tensor, weight: Tensor, counts: list[int] | Tensor, name: str, out
         if sum(counts) != rows:
             raise ValueError(f"counts sum to {sum(counts)}, the product has {rows} rows")
         counts = torch.tensor(counts, dtype=torch.int64)
-    return counts.to(x.device, torch.int64)
+    return schedule or groups(counts.to(x.device, torch.int64), rows, x.dtype)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ import transformers
 from ppo_logprobs.workers import patch_model
 from ppo_logprobs.workers.models.experts import experts_forward, grouped_linear, sort_by_expert
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, pad_token_id=0, head_dim=8)
 
@@ -26,12 +27,30 @@ def qwen3_moe(top_k: int, experts: int = 8, **extra):
     return model
 
 
-def test_assignments_sorted_by_expert_then_token_and_rank():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_assignments_sorted_by_expert_then_token_and_rank(backend):
     index = torch.tensor([[3, 0], [0, 3], [8, 1], [3, 1]])  # (8: HF's mark of no expert, with 8 experts)
-    order, counts = sort_by_expert(index, 8)
+    order, source, position, counts = sort_by_expert(index.to(DEVICE), 8, backend)
     # assignment t * 2 + r: expert 0 got (t0 r1), (t1 r0); 1 got (t2 r1), (t3 r1); 3 got three; "none" comes last
     assert order.tolist() == [1, 2, 5, 7, 0, 3, 6, 4]
+    assert source.tolist() == [0, 1, 2, 3, 0, 1, 3, 2]
+    assert position.tolist() == [4, 0, 1, 5, 7, 2, 6, 3]
     assert counts.tolist() == [2, 2, 0, 3, 0, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("experts,tokens,k", [(128, 300, 8), (60, 777, 4), (8, 1500, 2)])
+def test_the_counting_sort_kernel_places_every_assignment_as_a_stable_sort_does(experts, tokens, k):
+    """Assignments across several of the kernel's chunks (1024 each), skewed loads (half to one expert, some experts
+    without any, some marked "none"): the kernel's places are torch's stable argsort's."""
+    g = torch.Generator().manual_seed(experts)
+    index = torch.randint(0, experts, (tokens, k), generator=g)
+    index[: tokens // 2, 0] = 3
+    index[index == 5] = 6
+    index[::7, -1] = experts
+    got = sort_by_expert(index.to(DEVICE), experts, "triton")
+    want = sort_by_expert(index, experts, "torch")
+    for name, a, b in zip(got._fields, got, want, strict=True):
+        assert torch.equal(a.cpu(), b), name
 
 
 def test_grouped_products_are_each_experts_matmul_on_odd_sizes():

@@ -22,10 +22,10 @@ FUSED = {
     "phi3": {"RMSNorm"},  # fused qkv_proj and gate_up_proj: HF's attention and MLP
     "gemma2": {"RMSNorm"},  # attention logits capped: HF's attention
     "gemma3": {"RMSNorm", "Attention"},
-    "qwen3_moe": {"RMSNorm", "Attention", "Experts"},
-    "qwen2_moe": {"RMSNorm", "Attention", "Experts", "MLP"},  # (the shared expert is a gated MLP)
-    "mixtral": {"RMSNorm", "Attention", "Experts"},
-    "olmoe": {"RMSNorm", "Experts"},  # q/k norms over all heads: HF's attention
+    "qwen3_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter"},
+    "qwen2_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter", "MLP"},  # (the shared expert is a gated MLP)
+    "mixtral": {"RMSNorm", "Attention", "Experts", "TopKRouter"},
+    "olmoe": {"RMSNorm", "Experts", "TopKRouter"},  # q/k norms over all heads: HF's attention
 }
 # windows shorter than the longest packed sequence, from the config (Mistral, Mixtral) or the module (the others)
 WINDOW = {"mistral": dict(sliding_window=4), "mixtral": dict(sliding_window=4), "gemma3": dict(sliding_window=4),
