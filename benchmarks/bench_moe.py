@@ -174,8 +174,8 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
         for name, tilings, product in (
                 ("gate_up+silu", gate_up_tilings, lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source)),
                 ("down", down_tilings, lambda: gg.grouped_gemm(middle, down, counts))):
-            for tiles in [default(dtype)] + ([gg.Tiles(*c) for c in tilings] if cuda else []):
-                gg._tiles = lambda _dtype, tiles=tiles: tiles
+            for tiles in [default(dtype, name != "down")] + ([gg.Tiles(*c) for c in tilings] if cuda else []):
+                gg._tiles = lambda _dtype, _gated=False, tiles=tiles: tiles
                 label = "x".join(map(str, tiles[:3])) + f" w{tiles.num_warps} s{tiles.num_stages}"
                 try:
                     row(f"ours {name} {label}", product, (2 if name == "down" else 4) * flops / 2)

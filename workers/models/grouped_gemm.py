@@ -29,12 +29,15 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-def _tiles(dtype: torch.dtype) -> Tiles:
-    """One tiling per dtype, never per call (BLOCK_K fixes a row's order of summation; the rest only the speed)."""
+def _tiles(dtype: torch.dtype, gated: bool = False) -> Tiles:
+    """One tiling per dtype and product, never per call (BLOCK_K fixes a row's order of summation; the rest only the
+    speed). BLOCK_M is the schedule's: the same for gate/up and down."""
     if interpreting():
         return Tiles(16, 16, 16, 4, 1)
-    # bf16 on an H200 (bench_moe.py --sweep, 30B-A3B's layer): 128x128x64, 8 warps: gate/up 494 TFLOP/s, down 380
-    return Tiles(64, 64, 32, 4, 3) if dtype == torch.float32 else Tiles(128, 128, 64, 8, 3)
+    if dtype == torch.float32:
+        return Tiles(64, 64, 32, 4, 3)
+    # bf16 on an H200 (bench_moe.py --sweep, 30B-A3B's layer): 128x128x64, 8 warps, 4 stages for gate/up, 3 for down
+    return Tiles(128, 128, 64, 8, 4 if gated else 3)
 
 
 @triton.jit
@@ -51,15 +54,15 @@ def _grouped_gemm_kernel(x, source_ptr, w, out_ptr, tile_expert_ptr, tile_row_pt
     up in fp32, rounded again). Tiles of expert E (rows routed to no expert) store zeros."""
     col_blocks = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0) // col_blocks  # (a tile's column blocks run side by side: its rows are read once)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int32)  # -1: no tile, the grid's spare
-    row0 = tl.load(tile_row_ptr + tile).to(tl.int32)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)  # -1: no tile, the grid's spare
+    row0 = tl.load(tile_row_ptr + tile).to(tl.int64)
     col0 = tl.program_id(0) % col_blocks * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, BLOCK_N)
-    row_ok = rows < tl.load(tile_end_ptr + tile).to(tl.int32)
+    row_ok = rows < tl.load(tile_end_ptr + tile).to(tl.int64)
     col_ok = cols < N
     k_end = K * ((expert >= 0) & (expert < E)).to(tl.int32)  # (no expert: no products, zeros out)
-    x_rows = tl.load(source_ptr + rows, mask=row_ok, other=0) if GATHER else rows
+    x_rows = tl.load(source_ptr + rows, mask=row_ok, other=0).to(tl.int64) if GATHER else rows
     w_row = expert * W_ROWS + col0  # (the gate's rows; up's are N further)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -67,29 +70,29 @@ def _grouped_gemm_kernel(x, source_ptr, w, out_ptr, tile_expert_ptr, tile_row_pt
     for k0 in range(0, k_end, BLOCK_K):
         k_ok = offs_k + k0 < K
         if X_TMA:
-            a = x.load([row0, k0])
+            a = x.load([row0.to(tl.int32), k0])
         else:
-            a = tl.load(x + x_rows.to(tl.int64)[:, None] * K + (k0 + offs_k)[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x + x_rows[:, None] * K + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
         if W_TMA:
-            acc = _dot(a, w.load([w_row, k0]).T, acc, DOT_PRECISION)
+            acc = _dot(a, w.load([w_row.to(tl.int32), k0]).T, acc, DOT_PRECISION)
             if GATED:
-                up = _dot(a, w.load([w_row + N, k0]).T, up, DOT_PRECISION)
+                up = _dot(a, w.load([(w_row + N).to(tl.int32), k0]).T, up, DOT_PRECISION)
         else:
             at = w + (k0 + offs_k)[:, None]
             mask = col_ok[None, :] & k_ok[:, None]
-            acc = _dot(a, tl.load(at + (w_row + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :] * K, mask=mask,
-                                  other=0.0), acc, DOT_PRECISION)
+            acc = _dot(a, tl.load(at + (w_row + tl.arange(0, BLOCK_N))[None, :] * K, mask=mask, other=0.0), acc,
+                       DOT_PRECISION)
             if GATED:
-                up = _dot(a, tl.load(at + (w_row + N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :] * K,
-                                     mask=mask, other=0.0), up, DOT_PRECISION)
+                up = _dot(a, tl.load(at + (w_row + N + tl.arange(0, BLOCK_N))[None, :] * K, mask=mask, other=0.0),
+                          up, DOT_PRECISION)
     if GATED:
         dtype = out_ptr.dtype.element_ty
         g = acc.to(dtype).to(tl.float32)  # (the product as its own GEMM would round it)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype)
         acc = silu.to(tl.float32) * up.to(dtype).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(dtype),
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -122,7 +125,7 @@ def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gate
     num_experts, w_rows, _ = weight.shape
     n = w_rows // 2 if gated else w_rows
     out = x.new_empty(x.shape[0] if source is None else source.shape[0], n)
-    tiles = _tiles(x.dtype)
+    tiles = _tiles(x.dtype, gated)
     x, weight = x.contiguous(), weight.contiguous()
     x_arg, x_tma = (x, False) if source is not None else _operand(x, [tiles.block_m, tiles.block_k])
     w_arg, w_tma = _operand(weight.view(-1, k), [tiles.block_n, tiles.block_k])
