@@ -120,7 +120,7 @@ def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
         events = json.load(open(f.name))["traceEvents"]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
     idle, after = 0.0, collections.Counter()
-    for (_, end, _), (start, _, name) in zip(kernels, kernels[1:]):
+    for (_, end, _), (start, _, name) in zip(kernels, kernels[1:], strict=False):
         if start > end:
             idle += start - end
             after[name[:60]] += start - end

@@ -1,7 +1,7 @@
 """The decoder body's memory-bound work in our Triton kernels: RMSNorm (rms_norm.py), the SiLU-gated MLP's middle
-(silu_mul.py), mixture-of-experts layers sorted by expert (experts.py) and their routers (router.py), and, for rows of packed sequences, the
-attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen kernel
-(varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
+(silu_mul.py), mixture-of-experts layers sorted by expert (experts.py) and their routers (router.py), and, for rows
+of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen
+kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
