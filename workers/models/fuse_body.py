@@ -22,7 +22,7 @@ from ..head import Backend, resolve_backend
 from . import varlen_attention
 from .experts import experts_forward
 from .rms_norm import rms_norm
-from .rotary import rotary, rotary_reference
+from .rotary import Norm, rotary, rotary_reference
 from .router import route
 from .silu_mul import silu_mul
 
@@ -58,6 +58,14 @@ def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str 
     return logits, weights, index
 
 
+def _head_norm(module: nn.Module | None) -> Norm | None:
+    """A q/k norm of a fused family as the rotary kernel applies it in its pass (weight, eps, style)."""
+    if module is None:
+        return None
+    style, eps = _NORMS[type(module).__name__]
+    return module.weight, getattr(module, eps), style
+
+
 def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend, **kwargs
                        ) -> tuple[Tensor, None]:
     """HF's attention block for one packed row ([1, T, E]) given cu_seq_lens; any other call is HF's own."""
@@ -66,11 +74,14 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
         return type(self).forward(self, hidden_states=hidden_states, **kwargs)
     t = hidden_states.shape[1]
     q, k, v = (proj(hidden_states).view(t, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-    if hasattr(self, "q_norm"):
-        q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = (x.reshape(t, -1) for x in kwargs["position_embeddings"])  # [T, D]
-    rotate = rotary if resolve_backend(backend, q.device) == "triton" else rotary_reference
-    q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T, H or Hkv, D]
+    norms = [getattr(self, name, None) for name in ("q_norm", "k_norm")]
+    if resolve_backend(backend, q.device) == "triton" and all(n is None or type(n).__name__ in _NORMS for n in norms):
+        q, k = (rotary(x, cos, sin, _head_norm(n)) for x, n in zip((q, k), norms, strict=True))
+    else:
+        if norms[0] is not None:
+            q, k = norms[0](q), norms[1](k)
+        q, k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)  # [T, H or Hkv, D]
     sliding = {"module": getattr(self, "sliding_window", None), "config": getattr(self.config, "sliding_window", None),
                "none": None}[window]
     out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding,

@@ -1,5 +1,5 @@
 """Rotary position embedding in one Triton pass (HF runs five: a product, a negation, a concatenation, a second
-product and a sum).
+product and a sum), optionally after the head's RMSNorm (q_norm, k_norm) in the same pass.
 
 HF's formula for x [T, H, D], cos and sin [T, D]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for the
 halves x1, x2 of D; each of the three steps rounded to x's dtype, as here, so the result is HF's to the bit (bf16,
@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .rms_norm import rms_norm_reference
 
 _ROWS = 16  # (token, head) rows per program
 
@@ -28,8 +30,8 @@ def _round(x, BF16: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, HALF, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-                   BF16: tl.constexpr):
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, n_rows, H, HALF, eps, BLOCK_D: tl.constexpr,
+                   ROWS: tl.constexpr, BF16: tl.constexpr, NORM: tl.constexpr, GEMMA: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # rows of [T * H, D]
     cols = tl.arange(0, BLOCK_D)
     inside = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
@@ -42,6 +44,14 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, H, HALF, BLOCK_D: t
     s1 = tl.load(sin_ptr + t_at, mask=inside, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t_at + HALF, mask=inside, other=0.0).to(tl.float32)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:  # the head's RMSNorm first (rms_norm.py's two formulas), rounded as it rounds
+        r = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+        if GEMMA:
+            f1, f2 = _round(f1 * r * (1.0 + w1), BF16), _round(f2 * r * (1.0 + w2), BF16)
+        else:
+            f1, f2 = _round(_round(f1 * r, BF16) * w1, BF16), _round(_round(f2 * r, BF16) * w2, BF16)
     # each step rounded as HF rounds it; fp_fusion is off at launch, so no product is fused into a sum
     o1 = _round(_round(f1 * c1, BF16) + _round(-f2 * s1, BF16), BF16)
     o2 = _round(_round(f2 * c2, BF16) + _round(f1 * s2, BF16), BF16)
@@ -57,34 +67,52 @@ def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+Norm = tuple[Tensor, float, str]  # a head RMSNorm to apply first: (weight [D], eps, style: "llama" or "gemma")
+
+
+def _reference(x: Tensor, cos: Tensor, sin: Tensor, norm: Norm | None) -> Tensor:
+    return rotary_reference(x if norm is None else rms_norm_reference(x, *norm), cos, sin)
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None, eps: float, style: str) -> Tensor:
+        ctx.save_for_backward(x if weight is not None else None, cos, sin, weight)
+        ctx.eps, ctx.style = eps, style
         x = x.contiguous()
         out = torch.empty_like(x)
         t, h, d = x.shape
-        _rotary_kernel[(triton.cdiv(t * h, _ROWS),)](x, cos.contiguous(), sin.contiguous(), out, t * h, h, d // 2,
-                                                     BLOCK_D=triton.next_power_of_2(d // 2), ROWS=_ROWS,
-                                                     BF16=x.dtype == torch.bfloat16, num_warps=4,
-                                                     enable_fp_fusion=False)
+        _rotary_kernel[(triton.cdiv(t * h, _ROWS),)](
+            x, cos.contiguous(), sin.contiguous(), x if weight is None else weight.contiguous(), out, t * h, h,
+            d // 2, eps, BLOCK_D=triton.next_power_of_2(d // 2), ROWS=_ROWS, BF16=x.dtype == torch.bfloat16,
+            NORM=weight is not None, GEMMA=style == "gemma", num_warps=4, enable_fp_fusion=False)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        cos, sin = ctx.saved_tensors
+        x, cos, sin, weight = ctx.saved_tensors
         with torch.enable_grad():
-            x = torch.zeros_like(grad).requires_grad_()  # the formula is linear in x: its gradient needs no x
-            (dx,) = torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)
-        return dx, None, None
+            if weight is None:  # the formula is linear in x: its gradient needs no x
+                x = torch.zeros_like(grad).requires_grad_()
+                (dx,) = torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)
+                return dx, None, None, None, None, None
+            x, w = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(_reference(x, cos, sin, (w, ctx.eps, ctx.style)), (x, w), grad)
+        return dx, None, None, dw, None, None
 
 
-def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D] rotated by cos, sin [T, D] (HF's apply_rotary_pos_emb for one tensor). Differentiable in x.
-    bf16 and fp32 run the kernel; other dtypes the torch formula."""
-    if x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype:
-        return rotary_reference(x, cos, sin)
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, norm: Norm | None = None) -> Tensor:
+    """x [T, H, D] rotated by cos, sin [T, D] (HF's apply_rotary_pos_emb for one tensor); with `norm`, each head
+    RMS-normalised first (Qwen3's and Gemma 3's q_norm and k_norm) in the same pass, as rms_norm.py rounds it.
+    Differentiable in x (and the norm's weight). bf16 and fp32 run the kernel; other dtypes the torch formula."""
+    if norm is not None and norm[0].shape != (x.shape[-1],):
+        raise ValueError(f"the norm's weight must be [{x.shape[-1]}] for x of shape {tuple(x.shape)}, got "
+                         f"{tuple(norm[0].shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32) or cos.dtype != x.dtype or (
+            norm is not None and norm[0].dtype != x.dtype):
+        return _reference(x, cos, sin, norm)
     if x.dim() != 3 or cos.shape != (x.shape[0], x.shape[2]) or sin.shape != cos.shape or x.shape[2] % 2:
         raise ValueError(f"rotary needs x [T, H, D] with D even and cos, sin [T, D]; got x {tuple(x.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
-    return _Rotary.apply(x, cos, sin)
+    weight, eps, style = norm if norm is not None else (None, 0.0, "llama")
+    return _Rotary.apply(x, cos, sin, weight, eps, style)

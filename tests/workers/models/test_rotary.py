@@ -52,3 +52,43 @@ def test_bad_shapes_are_refused():
     x, cos, sin = inputs(4, 2, 8, torch.float32)
     with pytest.raises(ValueError, match=r"cos, sin \[T, D\]; got x \(4, 2, 8\), cos \(4, 6\)"):
         rotary(x, cos[:, :6], sin[:, :6])
+
+
+@pytest.mark.parametrize("style", ["llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_norm_in_the_same_pass_is_the_norm_then_the_rotation(style, dtype):
+    """Qwen3's and Gemma 3's q/k norms in the rotary kernel: the separate kernels' result (RMSNorm, then rotary) within
+    fp32's rounding, the float64 formula within bf16's (the norm's sum runs in another order: in bf16 a normed value
+    may land an ulp away, and the rotation mixes two); and a token's bits in any call."""
+    from ppo_logprobs.workers.models.rms_norm import rms_norm
+
+    x, cos, sin = inputs(37, 5, 96, dtype, seed=5)
+    weight = (torch.rand(96, generator=torch.Generator().manual_seed(6)) + 0.5).to(DEVICE, dtype)
+    fused = rotary(x, cos, sin, (weight, 1e-6, style))
+    apart = rotary(rms_norm(x, weight, 1e-6, style), cos, sin)
+    oracle = rotary_reference(rms_norm(x.double(), weight.double(), 1e-6, style), cos.double(), sin.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
+    ulps = (fused.double() - oracle).abs() / torch.finfo(dtype).eps / oracle.abs().clamp(min=1)
+    assert ulps.max() <= (8 if dtype == torch.float32 else 4), ulps.max()
+    assert torch.equal(rotary(x[11:12], cos[11:12], sin[11:12], (weight, 1e-6, style)), fused[11:12])
+
+
+def test_the_gradients_through_a_head_norm_are_the_formulas():
+    from ppo_logprobs.workers.models.rms_norm import rms_norm_reference
+
+    x, cos, sin = inputs(9, 3, 8, torch.float32, seed=7)
+    grad = torch.randn(9, 3, 8, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    weight = torch.rand(8, generator=torch.Generator().manual_seed(9)).to(DEVICE) + 0.5
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    wa, wb = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+    rotary(a, cos, sin, (wa, 1e-6, "llama")).backward(grad)
+    rotary_reference(rms_norm_reference(b, wb, 1e-6, "llama"), cos, sin).backward(grad)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_norm_of_another_width_is_refused():
+    x, cos, sin = inputs(4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"norm's weight must be \[8\] for x of shape \(4, 2, 8\), got \(6,\)"):
+        rotary(x, cos, sin, (torch.ones(6, device=DEVICE), 1e-6, "llama"))
