@@ -4,7 +4,8 @@ Study (the default): random-length sequences scored
 - alone, one request each (the reference);
 - packed with the others into rows of three budgets, in three orders, so each lands at other offsets among
   other neighbours;
-- by pools of one and of two workers (Ray actors, other processes; with --pool);
+- by pools of one and of two workers (Ray actors, other processes; with --pool), or, for a model built in memory
+  (no checkpoint for a pool to load), by a second worker in a process of its own that builds the same model;
 - by a trainer: the patched model's own forward with gradients on, right-padded micro-batches of 4096 tokens;
 - and, apart, GRPO groups (responses to shared prompts) by a worker that computes each prompt once, against each
   sequence alone with sharing off.
@@ -25,6 +26,7 @@ forbidden (cuBLAS proper takes no such setting), and what each costs; and the sa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -256,6 +258,41 @@ def attention_probe(device: str) -> dict:
     return report
 
 
+def in_memory(name: str, cuda: bool) -> torch.nn.Module:
+    """The qwen3-30b-a3b shape (the tiny config off CUDA) with random weights, the same in every process."""
+    from bench_moe import QWEN3_30B_A3B, TINY, build
+
+    return build(QWEN3_30B_A3B if cuda else TINY, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+
+
+def by_other_process(model: str, seqs: list, budget: int, order: np.ndarray, options: dict) -> list:
+    """The sequences scored by a second worker in a process of its own (`--child`), which builds the model itself,
+    packed in rows of `budget` in `order`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.savez(f"{tmp}/in.npz", tokens=np.concatenate(seqs), lengths=[len(s) for s in seqs], order=order,
+                 budget=budget, backend=options.get("backend", "auto"))
+        subprocess.run([sys.executable, __file__, "--model", model, "--child", tmp], check=True)
+        got = np.load(f"{tmp}/out.npz")
+        ends = np.cumsum([len(s) - 1 for s in seqs])
+        return list(zip(np.split(got["log_probs"], ends[:-1]), np.split(got["entropy"], ends[:-1]), strict=True))
+
+
+def child(model: str, tmp: str) -> None:
+    """--child: score what by_other_process left in `tmp` with a worker of this process; results back there."""
+    given = np.load(f"{tmp}/in.npz")
+    seqs = [s.tolist() for s in np.split(given["tokens"], np.cumsum(given["lengths"])[:-1])]
+    backend = str(given["backend"])
+    worker = LogProbWorker(patch_model(in_memory(model, torch.cuda.is_available()), backend=backend),
+                           max_tokens_per_batch=int(given["budget"]))
+    got = by_worker(worker, seqs, int(given["budget"]), given["order"])
+    np.savez(f"{tmp}/out.npz", log_probs=np.concatenate([r[0] for r in got]),
+             entropy=np.concatenate([r[1] for r in got]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny",
@@ -265,7 +302,11 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
     parser.add_argument("--probe", action="store_true", help="the GEMM and RMSNorm row-count probe only")
     parser.add_argument("--out")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # (by_other_process's second worker)
     args = parser.parse_args()
+    if args.child:
+        child(args.model, args.child)
+        return
     if args.pool and args.model == "qwen3-30b-a3b":
         parser.error("--pool loads the model in each worker: give a checkpoint")
     cuda = torch.cuda.is_available()
@@ -277,10 +318,7 @@ def main() -> None:
         options = dict(dtype=torch.bfloat16) if cuda else dict(backend="torch")
         model = args.model
         if args.model == "qwen3-30b-a3b":  # (no checkpoint on disk: 61 GB)
-            from bench_moe import QWEN3_30B_A3B, TINY, build
-
-            model = build(QWEN3_30B_A3B if cuda else TINY, "cuda" if cuda else "cpu",
-                          torch.bfloat16 if cuda else torch.float32)
+            model = in_memory(args.model, cuda)
             options = {} if cuda else dict(backend="torch")
         lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
         out.update(model=args.model, options={"modes": args.modes} if args.modes != "invariant,fast,hf" else {})
@@ -308,7 +346,18 @@ def main() -> None:
             modes[label]["results"]["shared prefixes (GRPO groups)"] = shared_study(worker.model, vocab, label, cuda)
         patch_model(worker.model, backend=backend)
         out["modes"] = {k: v["results"] for k, v in modes.items()}
-        if args.pool:
+        if args.model == "qwen3-30b-a3b" and "invariant" in modes:  # (a pool would need a checkpoint)
+            reference = modes["invariant"]["alone"]
+            del worker, model
+            gc.collect()  # (the patched forward holds its model in a cycle)
+            if cuda:
+                torch.cuda.empty_cache()
+            order = np.random.default_rng(3).permutation(len(seqs))
+            r = compare(by_other_process(args.model, seqs, budgets[0], order, options), reference)
+            out["modes"]["invariant"]["a second worker in its own process"] = r
+            print(f"{'invariant':>28} {'a second worker, its own process':>34} {r['max_lp']:10.3g} "
+                  f"{r['max_entropy']:10.3g} {r['sequences_differing']:4d}/{len(seqs)}", flush=True)
+        elif args.pool:
             reference = modes["invariant"]["alone"]
             del worker
             if cuda:

@@ -30,7 +30,8 @@ TINY = dict(vocab_size=503, hidden_size=64, intermediate_size=128, moe_intermedi
             max_position_embeddings=4096, tie_word_embeddings=False)
 
 
-def build(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
+def build(config: dict, device: str, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The model with random weights, the same bits for the same seed in any process."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -38,6 +39,7 @@ def build(config: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, attn_implementation="sdpa")).eval()
     finally:
         torch.set_default_dtype(default)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
