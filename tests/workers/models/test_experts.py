@@ -38,6 +38,27 @@ def test_assignments_sorted_by_expert_then_token_and_rank(backend):
     assert counts.tolist() == [2, 2, 0, 3, 0, 0, 0, 0, 1]
 
 
+@pytest.mark.parametrize("groups,block_m,rows", [(6, 16, 80), (129, 128, 2400), (594, 16, 3000), (3, 4, 0)])
+def test_the_schedule_kernel_gives_each_program_what_the_torch_statement_does(groups, block_m, rows):
+    """group_schedule (one kernel) against group_schedule_reference: random counts, half the groups empty, every row
+    in the last group, no rows at all; each program's group (-1 for the grid's spares), first row and end."""
+    from ppo_logprobs.workers.head.triton_log_probs_forward import group_schedule, group_schedule_reference
+
+    g = torch.Generator().manual_seed(groups)
+    spread = torch.zeros(groups, dtype=torch.int64).index_add_(0, torch.randint(0, groups, (rows,), generator=g),
+                                                               torch.ones(rows, dtype=torch.int64))
+    half_empty = spread.clone()
+    half_empty[: groups // 2] = 0
+    half_empty[groups // 2] += rows - half_empty.sum()
+    last = torch.zeros(groups, dtype=torch.int64)
+    last[-1] = rows
+    for counts in (spread, half_empty, last):
+        got = group_schedule(counts.to(DEVICE), rows, block_m)
+        want = group_schedule_reference(counts, rows, block_m)
+        for name, a, b in zip(("group", "start", "end"), got, want, strict=True):
+            assert torch.equal(a.cpu(), b), name
+
+
 @pytest.mark.parametrize("experts,tokens,k", [(128, 300, 8), (60, 777, 4), (8, 1500, 2)])
 def test_the_counting_sort_kernel_places_every_assignment_as_a_stable_sort_does(experts, tokens, k):
     """Assignments across several of the kernel's chunks (1024 each), skewed loads (half to one expert, some experts
