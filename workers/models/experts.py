@@ -77,7 +77,7 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int, backend: str = "torch"
     nothing back to the host; else torch's stable argsort. Both give the same places."""
     from ..head import resolve_backend
 
-    t, k = top_k_index.shape
+    k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     if resolve_backend(backend, flat.device) == "triton" and len(flat):
         bins = triton.next_power_of_2(num_experts + 2)  # (and one bin for the ends of chunks)

@@ -94,7 +94,6 @@ def match_model(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, full: b
     return Layout.of(items)
 
 
-
 def rank_parts(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, Part | None]]:
     """What an update of whole tensors (`shapes`, by name) gives each parameter it reaches: (the whole tensor's
     name, where this rank's part of it lies, None for all of it). A plain model takes each tensor whole. A
