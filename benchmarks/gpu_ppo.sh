@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issues 20-24 on one H200: the PPO loop at its defaults. STAGES picks some of "tests loop15 weights step loop7"
-# (the default) and "big15 model sync prefix prefixpool invariance topk moe moesweep moeinv gputests" (by name). FAST15=0 skips the
+# (the default) and "big15 model sync prefix prefixpool invariance topk attention moe moesweep moeinv gputests" (by name). FAST15=0 skips the
 # 1.5B loop's fast-mode run. Random Qwen2.5-shaped checkpoints at /tmp/q15 and /tmp/q7. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -61,6 +61,11 @@ fi
 if has topk; then  # issue 23: top-k and candidates from the fused head against plain, the GEMM floor beside
   timeout ${TOPK_S:-200} python3 benchmarks/bench_head.py --top-k --out "$OUT/topk.json" 2>&1 | tee "$OUT/topk.log" \
     | quiet | tail -9
+fi
+if has attention; then  # issue 24: our causal attention kernel against FlashAttention's, its tilings first
+  timeout ${ATTENTION_S:-200} python3 benchmarks/bench_attention.py --sweep 2>&1 | tee "$OUT/attention_sweep.log" | quiet | tail -9
+  timeout ${ATTENTION_S:-200} python3 benchmarks/bench_attention.py --out "$OUT/attention.json" 2>&1 \
+    | tee "$OUT/attention.log" | quiet | tail -4
 fi
 if has moe; then  # issue 24: the Qwen3-30B-A3B shape against HF's experts
   timeout ${MOE_S:-400} python3 benchmarks/bench_moe.py --out "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | quiet | tail -5

@@ -1,8 +1,9 @@
-"""Variable-length attention for packed rows: each sequence of a row attends only to itself, through torch's
-FlashAttention varlen kernel (aten's `_flash_attention_forward` given cumulative sequence offsets, as
-`torch.nn.attention.varlen.varlen_attn` calls it; called directly, it reads grouped K/V heads in place, which the
-wrapper in torch 2.11 refuses). No mask is built and nothing is compiled per row length, so rows need no padding
-to a few lengths; a sequence's output does not depend on where in a row it sits.
+"""Variable-length attention for packed rows: each sequence of a row attends only to itself, through our Triton
+kernel (causal_attention.py, heads of up to 128 elements; FlashAttention's backward) or torch's FlashAttention varlen
+kernel (aten's `_flash_attention_forward` given cumulative sequence offsets, as `torch.nn.attention.varlen.varlen_attn`
+calls it; called directly, it reads grouped K/V heads in place, which the wrapper in torch 2.11 refuses). No mask is
+built and nothing is compiled per row length, so rows need no padding to a few lengths; a sequence's output does not
+depend on where in a row it sits.
 
 Registered with transformers as the attention implementation `NAME`; transformers then builds no mask for it, and
 the patched forward passes the offsets (`cu_seq_lens`, `max_length`) through the model to every attention layer.
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 
 from ..sharding import head_dim
+from . import causal_attention
 
 NAME = "ppo_varlen"
 
@@ -108,11 +110,14 @@ class Pieces:
 def attend(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float | None = None,
            sliding_window: int | None = None, keys: Keys | None = None) -> Tensor:
     """Causal attention of each sequence of a packed row to itself (or to `keys`): q [T, H, D], k and v [T, Hkv, D]
-    (H a multiple of Hkv) -> [T, H, D]. On CUDA one FlashAttention varlen call (grouped heads read in place,
+    (H a multiple of Hkv) -> [T, H, D]. On CUDA one call of our kernel (causal_attention.py) for heads of up to
+    MAX_HEAD elements, else of FlashAttention's varlen kernel (both read grouped heads in place, both
     differentiable); elsewhere sdpa per sequence, the reference."""
     cu_k, max_k = cu_seq_lens, max_length
     if keys is not None:
         k, v, cu_k, max_k = k[keys.kv_index], v[keys.kv_index], keys.cu_k, keys.max_k
+    if q.is_cuda and q.shape[-1] <= causal_attention.MAX_HEAD:
+        return causal_attention.causal_attention(q, k, v, cu_seq_lens, cu_k, max_length, max_k, scale, sliding_window)
     if q.is_cuda:
         return torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seq_lens, cu_k, max_length, max_k, 0.0, True, False, scale=scale,

@@ -1,0 +1,117 @@
+"""Causal attention of packed sequences: our Triton kernel (workers/models/causal_attention.py, what `attend` runs for
+heads of up to 128) against torch's FlashAttention varlen kernel on the same row, in one run, with the same run's
+bf16 GEMM rate beside them (4096^3) as the floor; ms, TFLOP/s (causal FLOPs: 4 x keys seen x head size per query
+head) and whether each sequence scored alone keeps its bits in the packed row.
+
+  python benchmarks/bench_attention.py --out attention.json   # one H200
+  python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
+  TRITON_INTERPRET=1 python benchmarks/bench_attention.py --tiny   # a CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from ppo_logprobs.workers.models import causal_attention as ca
+
+CASES = {  # name: (sequence lengths, query heads, key-value heads, head size)
+    "8 x 4096, Qwen3-30B-A3B heads": ([4096] * 8, 32, 4, 128),
+    "mixed rollouts, Qwen3-30B-A3B heads": (np.random.default_rng(0).integers(256, 4096, 12).tolist(), 32, 4, 128),
+    "8 x 4096, Qwen2.5-7B heads": ([4096] * 8, 28, 4, 128),
+}
+SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3),
+         (64, 64, 4, 3), (64, 128, 4, 3)]
+
+
+def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
+    g = torch.Generator(device=device).manual_seed(0)
+    t = sum(lengths)
+    q = torch.randn(t, heads, d, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(t, kv_heads, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32, device=device)
+    return q, k, v, cu
+
+
+def timer(cuda: bool):
+    if cuda:
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200)
+
+    def once(fn) -> float:
+        import time
+
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return once
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
+    parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    time_ms = timer(cuda)
+    floor = None
+    if cuda:
+        a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)
+        floor = 2 * 4096**3 / time_ms(lambda: a @ b) / 1e9
+    rows = []
+    for name, (lengths, heads, kv_heads, d) in CASES.items():
+        if args.tiny:
+            lengths, heads, kv_heads, d = [n // 64 for n in lengths], 4, 2, 16
+        q, k, v, cu = row_of(lengths, heads, kv_heads, d, device, dtype)
+        longest = max(lengths)
+        flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
+
+        def ours(tiles=None, q=q, k=k, v=v, cu=cu, longest=longest):
+            return ca._launch(q, k, v, cu, cu, longest, d**-0.5, None, tiles)[0]
+
+        if args.sweep:
+            for tiles in [ca._tiles(d, dtype)] + ([ca.Tiles(*c) for c in SWEEP] if cuda else []):
+                try:
+                    ms = time_ms(lambda tiles=tiles: ours(tiles))
+                    print(f"{name}: {tiles} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+                except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
+                    print(f"{name}: {tiles} {type(err).__name__}: {str(err)[:100]}", flush=True)
+            return
+        result = dict(case=name, tokens=sum(lengths), heads=heads, kv_heads=kv_heads, head_dim=d,
+                      ours_ms=time_ms(ours), tiles=list(ca._tiles(d, dtype)))
+        if cuda:
+            result["flash_attention_ms"] = time_ms(lambda q=q, k=k, v=v, cu=cu, longest=longest: (
+                torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False)))
+        packed = ours()
+        spans = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+        alone = [ca._launch(q[a:b], k[a:b], v[a:b], *[torch.tensor([0, b - a], dtype=torch.int32, device=device)] * 2,
+                            b - a, d**-0.5, None)[0] for a, b in spans]
+        result["sequences_differing"] = sum(not torch.equal(x, packed[a:b]) for x, (a, b) in
+                                            zip(alone, spans, strict=True))
+        for key in ("ours", "flash_attention"):
+            if f"{key}_ms" in result:
+                result[f"{key}_tflops"] = flops / result[f"{key}_ms"] / 1e9
+        result["gemm_floor_tflops"] = floor
+        rows.append(result)
+        print(json.dumps(result), flush=True)
+    meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, dtype=str(dtype),
+                options={k: v for k, v in vars(args).items() if k != "out" and v})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"{'case':>38} {'ours ms':>8} {'FA2 ms':>8} {'ours TF/s':>9} {'FA2 TF/s':>9} {'GEMM TF/s':>9} {'differ':>6}")
+    for r in rows:
+        print(f"{r['case']:>38} {r['ours_ms']:8.2f} {r.get('flash_attention_ms', float('nan')):8.2f} "
+              f"{r.get('ours_tflops', float('nan')):9.1f} {r.get('flash_attention_tflops', float('nan')):9.1f} "
+              f"{r['gemm_floor_tflops'] or float('nan'):9.1f} {r['sequences_differing']:6d}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The Triton causal attention kernel (workers/models/causal_attention.py) against a float64 oracle: packed segments,
+grouped key-value heads, a head size that is not a power of two, windows, and query segments after shared keys;
+a query's bits whatever its neighbours and wherever its tile starts. In the interpreter here, on the device with
+CUDA (where its backward, FlashAttention's, is checked against FlashAttention's own)."""
+
+import math
+
+import pytest
+import torch
+
+from ppo_logprobs.workers.models.causal_attention import causal_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 6, 2, 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def segments(q_lengths, k_lengths, seed, dtype=torch.float32, head_dim=HEAD_DIM):
+    """q [Tq, H, D], k and v [Tk, Hkv, D] of packed segments, and their offsets."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lengths), HEADS, head_dim, generator=g)
+    k, v = (torch.randn(sum(k_lengths), KV_HEADS, head_dim, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (q_lengths, k_lengths))
+    return *(x.to(DEVICE, dtype) for x in (q, k, v)), cu_q, cu_k
+
+
+def oracle(q, k, v, cu_q, cu_k, scale=None, window=None):
+    """float64: query j of a segment of n_q sits at key position n_k - n_q + j and sees the keys at or before it
+    (and, with a window, less than `window` behind it); query head h reads key-value head h // (H / Hkv)."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    spans = zip(cu_q.tolist(), cu_q[1:].tolist(), cu_k.tolist(), cu_k[1:].tolist(), strict=False)
+    for a, b, c, e in spans:
+        pos = torch.arange(b - a)[:, None] + (e - c) - (b - a)
+        key = torch.arange(e - c)[None, :]
+        allowed = (key <= pos) & ((pos - key < window) if window else True)
+        for h in range(q.shape[1]):
+            scores = (q[a:b, h] @ k[c:e, h // group].T * scale).masked_fill(~allowed, -math.inf)
+            out[a:b, h] = scores.softmax(-1) @ v[c:e, h // group]
+    return out
+
+
+def pieces(x, cu):
+    return [x[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize(("scale", "window"), [(None, None), (0.3, None), (None, 5), (None, 20)])
+def test_each_segment_attends_causally_to_its_own_keys(dtype, atol, scale, window):
+    """Self-attention segments of 1 to 40 tokens (tiles of 16 here: one, two and three query and key blocks) and
+    query segments after 14 and 21 keys of their own (the first's first query tile ends a key before a key block);
+    fp32 within 2e-6 of the oracle (its own rounding is about 5e-7), bf16 within its rounding of inputs,
+    probabilities and output (a wrong head, window, boundary or block is off by more than 1)."""
+    q_lengths, k_lengths = (1, 7, 13, 40, 16, 5, 30), (1, 7, 13, 40, 30, 26, 30)
+    q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=0, dtype=dtype)
+    out = causal_attention(q, k, v, cu_q, cu_k, max(q_lengths), max(k_lengths), scale, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    want = oracle(q, k, v, cu_q, cu_k, scale, window)
+    torch.testing.assert_close(out.double().cpu(), want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_head_sizes(head_dim):
+    q, k, v, cu_q, cu_k = segments((9, 33), (9, 40), seed=1, head_dim=head_dim)
+    out = causal_attention(q, k, v, cu_q, cu_k, 33, 40)
+    torch.testing.assert_close(out.double().cpu(), oracle(q, k, v, cu_q, cu_k), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_querys_bits_are_its_own(dtype, window):
+    """A sequence of 45 keys scored whole, in a row with other segments, and as suffixes of 40, 29 and 1 queries after
+    its first 5, 16 and 44 keys (query tiles starting elsewhere, more masked blocks and fewer whole ones, blocks a
+    query sees nothing of): every query has the same bits each time."""
+    n = 45
+    q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype)
+    whole = causal_attention(q, k, v, cu_q, cu_k, n, n, None, window)
+    others = segments((30, 3), (30, 3), seed=3, dtype=dtype)
+    for cut in (0, 5, 16, 44):
+        row = [torch.cat([others[i][:30], x, others[i][30:]]) for i, x in enumerate((q[cut:], k, v))]
+        cu_q2 = torch.tensor([0, 30, 30 + n - cut, 33 + n - cut], dtype=torch.int32, device=DEVICE)
+        cu_k2 = torch.tensor([0, 30, 30 + n, 33 + n], dtype=torch.int32, device=DEVICE)
+        out = causal_attention(*row, cu_q2, cu_k2, max(30, n - cut), n, None, window)
+        assert torch.equal(pieces(out, cu_q2)[1], whole[cut:]), cut
+
+
+def test_bad_shapes_are_refused():
+    q, k, v, cu_q, cu_k = segments((4,), (4,), seed=4)
+    with pytest.raises(ValueError, match="query heads a multiple of key heads"):
+        causal_attention(q[:, :5], k, v, cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match="at most 256"):
+        big = torch.zeros(4, 2, 264, device=DEVICE)
+        causal_attention(big, big, big, cu_q, cu_k, 4, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 100])
+def test_cuda_forward_and_backward_against_flash_attention(window):
+    """bf16 on the device, segments of up to 700 tokens, two of them after shared keys: the output within bf16's
+    rounding of FlashAttention's, the log-sum-exp FlashAttention's backward reads within 1e-5, and the gradients
+    that backward gives from ours within bf16's rounding of those from its own forward."""
+    q_lengths, k_lengths = (1, 130, 700, 64, 200), (1, 130, 700, 300, 333)
+    q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=5, dtype=torch.bfloat16, head_dim=128)
+    args = (cu_q, cu_k, max(q_lengths), max(k_lengths))
+    left = window - 1 if window else -1
+    want, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, *args, 0.0, True, False,
+                                                           window_size_left=left, window_size_right=0)
+    from ppo_logprobs.workers.models.causal_attention import _launch
+
+    out, our_lse = _launch(q, k, v, cu_q, cu_k, max(q_lengths), 128 ** -0.5, window)
+    torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(our_lse, lse, rtol=0, atol=1e-5)
+    grad = torch.randn_like(q)
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    causal_attention(*inputs, *args, None, window).backward(grad)
+    ours = [x.grad for x in inputs]
+    inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    torch.ops.aten._flash_attention_forward(*inputs, *args, 0.0, True, False, window_size_left=left,
+                                            window_size_right=0)[0].backward(grad)
+    for mine, theirs in zip(ours, (x.grad for x in inputs), strict=True):
+        torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())

@@ -1,0 +1,169 @@
+"""Causal attention of packed sequences in one Triton kernel (the forward; the backward is FlashAttention's).
+
+Query segment i (rows cu_q[i]:cu_q[i + 1] of q) attends causally, from the bottom right, to key segment i (rows
+cu_k[i]:cu_k[i + 1] of k and v): its last query sees every key, a shared prefix's keys come first. Grouped key-value
+heads are read in place. Each program takes BLOCK_M queries of one segment and head and walks their keys in blocks
+of BLOCK_N counted from the segment's first key, always in increasing order, with the softmax kept online in base 2.
+
+A query's output depends only on its own segment: the key blocks it sums are aligned to the segment, not to the
+row, and do not change with the other segments or where the segment sits. Whether a block is masked changes no
+bits of an allowed key's terms (the arithmetic is the same and unfused; a key masked out adds exact zeros, and a
+query's running max starts finite, so a block it sees nothing of changes nothing), so a suffix scored after a
+shared prefix gets the bits it gets alone. torch's FlashAttention kernel is invariant too but slower on Hopper
+(bench_attention.py); its backward takes our output and log-sum-exp, in its layout ([H, total_q], natural log).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
+
+MAX_HEAD = 128  # larger heads keep FlashAttention's kernel (varlen_attention.attend)
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _tiles(head: int, dtype: torch.dtype) -> Tiles:
+    """One tiling per head size and dtype (BLOCK_N fixes a query's order of summation; the rest only the speed)."""
+    if interpreting():
+        return Tiles(16, 16, 4, 1)
+    if dtype == torch.float32:
+        return Tiles(64, 32, 4, 2)
+    return Tiles(128, 64, 8, 3) if head > 64 else Tiles(128, 64, 4, 3)
+
+
+@triton.jit
+def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_k, stride_v,
+               D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The online softmax over keys n .. n + BLOCK_N - 1 of the segment; masked: causal (pos: the queries' positions
+    among the keys), the segment's end and the window."""
+    keys = n + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    inside = (d < D)[None, :]
+    if MASKED:
+        inside = inside & (keys < n_k)[:, None]
+    k = tl.load(k_at + keys[:, None].to(tl.int64) * stride_k + d[None, :], mask=inside, other=0.0)
+    s = _dot(q, k.T, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION) * scale
+    if MASKED:
+        allowed = (keys[None, :] <= pos[:, None]) & (keys < n_k)[None, :]
+        if WINDOW:
+            allowed = allowed & (pos[:, None] - keys[None, :] < window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_at + keys[:, None].to(tl.int64) * stride_v + d[None, :], mask=inside, other=0.0)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    block = q_blocks - 1 - tl.program_id(0)  # (the last blocks, the most keys, start first)
+    segment = tl.program_id(1)
+    head = tl.program_id(2)
+    q0 = tl.load(cu_q + segment)
+    n_q = tl.load(cu_q + segment + 1) - q0
+    m0 = block * BLOCK_M
+    if m0 >= n_q:
+        return
+    k0 = tl.load(cu_k + segment)
+    n_k = tl.load(cu_k + segment + 1) - k0
+    before = n_k - n_q  # keys ahead of the first query (a shared prefix)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_q
+    at = (q0 + rows).to(tl.int64)
+    q = tl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+    k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
+    v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
+    pos = before + rows
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # (finite: a block a query sees nothing of changes nothing)
+    end = tl.minimum(n_k, before + m0 + BLOCK_M)
+    if WINDOW:  # every block masked
+        start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        whole = start
+    else:  # blocks every query of the tile sees whole, then the diagonal's
+        start = 0
+        whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
+    for n in range(start, whole, BLOCK_N):
+        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt, stride_vt,
+                                   D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION)
+    for n in range(whole, end, BLOCK_N):
+        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt, stride_vt,
+                                   D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < D)[None, :])
+    tl.store(lse_ptr + head.to(tl.int64) * total_q + at, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, scale: float,
+            window: int | None, tiles: Tiles | None = None) -> tuple[Tensor, Tensor]:
+    t, heads, d = q.shape
+    tiles = tiles or _tiles(d, q.dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
+    q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
+    grid = (q_blocks, cu_q.shape[0] - 1, heads)
+    _attention_kernel[grid](
+        q, k, v, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks, t,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=triton.next_power_of_2(d), WINDOW=bool(window),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        enable_fp_fusion=False)  # (fused multiply-adds would round masked and whole blocks differently)
+    return out, lse
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+        out, lse = _launch(q, k, v, cu_q, cu_k, max_q, scale, window)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.sizes = max_q, max_k, scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        max_q, max_k, scale, window = ctx.sizes
+        no_dropout = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64,
+                                                                                        device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, *no_dropout, scale=scale,
+            window_size_left=window - 1 if window else -1, window_size_right=0)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                     scale: float | None = None, window: int | None = None) -> Tensor:
+    """q [Tq, H, D], k and v [Tk, Hkv, D] (H a multiple of Hkv, D at most 256), segments by cu_q and cu_k (int32
+    [S + 1]; each key segment at least as long as its query segment) -> [Tq, H, D]; `window`: a query sees the keys
+    less than `window` behind it. Differentiable on CUDA (FlashAttention's backward)."""
+    if q.shape[-1] > 256 or q.shape[1] % k.shape[1] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: heads of at most 256 elements, "
+                         "query heads a multiple of key heads, each head contiguous")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _Attention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
+    return _launch(q, k, v, cu_q, cu_k, max_q, scale, window)[0]
