@@ -132,7 +132,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),  # (dots: 16+)
         WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, enable_fp_fusion=False)  # (fused multiply-adds: masked, whole blocks rounded apart)
+        num_stages=tiles.num_stages, enable_fp_fusion=False)  # (no FMAs: masked blocks round as whole ones)
     return out, lse
 
 
