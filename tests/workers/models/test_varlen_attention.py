@@ -1,8 +1,7 @@
 """Varlen attention (workers/models/varlen_attention.py) on its own: which models it refuses and why, how a call
 becomes one packed row, and `attend` on packed rows against a float64 oracle with grouped key-value heads: each
-sequence attends only to itself. The CPU path (sdpa per sequence) everywhere; the FlashAttention kernel on CUDA."""
-
-import math
+sequence attends only to itself. The CPU path (sdpa per sequence) everywhere; the CUDA kernels (ours for heads up to
+128, else FlashAttention's) on CUDA."""
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from ppo_logprobs.workers.models.varlen_attention import (
     one_row,
     varlen_attention,
 )
+
+from .test_causal_attention import oracle as segment_oracle
 
 SMALL = dict(
     vocab_size=97,
@@ -84,20 +85,8 @@ def packed_row(lengths, seed, dtype=torch.float32, device="cpu"):
 
 
 def oracle(q, k, v, cu, scale=None, window=None):
-    """Causal softmax attention of each sequence to itself in float64, query head h reading key-value head
-    h // (H / Hkv); with a window, a query sees itself and the window - 1 tokens before it."""
-    q, k, v = q.double(), k.double(), v.double()
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros_like(q)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None, :]
-        allowed = (j <= i) & ((i - j < window) if window else True)
-        for h in range(q.shape[1]):
-            scores = (q[a:b, h] @ k[a:b, h // group].T * scale).masked_fill(~allowed, -math.inf)
-            out[a:b, h] = scores.softmax(-1) @ v[a:b, h // group]
-    return out
+    """Causal softmax attention of each sequence to itself in float64 (test_causal_attention's oracle)."""
+    return segment_oracle(q, k, v, cu, cu, scale, window)
 
 
 def sequences_of(out, cu):
