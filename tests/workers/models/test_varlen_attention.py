@@ -75,11 +75,11 @@ def test_a_padded_or_packed_call_becomes_one_row_of_its_real_tokens():
     assert positions.tolist() == [5, 6, 7] and begins.tolist() == [True, False, False]  # a row's first real token
 
 
-def packed_row(lengths, seed, dtype=torch.float32, device="cpu"):
+def packed_row(lengths, seed, dtype=torch.float32, device="cpu", head_dim=HEAD_DIM):
     """q [T, H, D], k and v [T, Hkv, D] of one row, and its offsets."""
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    q, k, v = (torch.randn(total, h, HEAD_DIM, generator=g).to(device, dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(total, h, head_dim, generator=g).to(device, dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return q, k, v, cu
 
@@ -128,12 +128,14 @@ def test_the_attention_interface_takes_transformers_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 4])
-def test_cuda_kernel_keeps_sequences_apart_at_any_offset(window):
-    """The FlashAttention varlen kernel in bf16: within bf16's rounding of the float64 oracle (its output's half ulp
-    and the probabilities it rounds to bf16: about 1e-2 here; a wrong head, window or boundary is off by more than 1),
-    and a sequence's output has the same bits whatever its neighbours and wherever in the row it sits."""
+@pytest.mark.parametrize("head_dim", [24, 256])
+def test_cuda_kernel_keeps_sequences_apart_at_any_offset(window, head_dim):
+    """Our kernel (heads of 24) and the FlashAttention varlen kernel (256) in bf16: within bf16's rounding of the
+    float64 oracle (its output's half ulp and the probabilities it rounds to bf16: about 1e-2 here; a wrong head,
+    window or boundary is off by more than 1), and a sequence's output has the same bits whatever its neighbours and
+    wherever in the row it sits."""
     lengths = (1, 7, 13, 300, 129)
-    q, k, v, cu = packed_row(lengths, seed=4, dtype=torch.bfloat16, device="cuda")
+    q, k, v, cu = packed_row(lengths, seed=4, dtype=torch.bfloat16, device="cuda", head_dim=head_dim)
     out = attend(q, k, v, cu, max(lengths), None, window)
     want = oracle(q.cpu(), k.cpu(), v.cpu(), cu.cpu(), None, window)
     torch.testing.assert_close(out.double().cpu(), want, rtol=0, atol=3e-2)
