@@ -78,9 +78,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, scale, 
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    block = q_blocks - 1 - tl.program_id(0)  # (the last blocks, the most keys, start first)
-    segment = tl.program_id(1)
-    head = tl.program_id(2)
+    segment = tl.program_id(0) // q_blocks  # (one grid axis: more segments than the 65535 of a second)
+    block = q_blocks - 1 - tl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
+    head = tl.program_id(1)
     q0 = tl.load(cu_q + segment)
     n_q = tl.load(cu_q + segment + 1) - q0
     m0 = block * BLOCK_M
@@ -127,7 +127,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
-    grid = (q_blocks, cu_q.shape[0] - 1, heads)
+    grid = (q_blocks * (cu_q.shape[0] - 1), heads)
     _attention_kernel[grid](
         q, k, v, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks, t,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
