@@ -73,16 +73,18 @@ def test_head_sizes(head_dim):
 def test_a_querys_bits_are_its_own(dtype, window):
     """A sequence of 45 keys scored whole, in a row with other segments, and as suffixes of 40, 29 and 1 queries after
     its first 5, 16 and 44 keys (query tiles starting elsewhere, more masked blocks and fewer whole ones, blocks a
-    query sees nothing of): every query has the same bits each time."""
-    n = 45
+    query sees nothing of): every query has the same bits each time. On CUDA (tiles of 128 x 64) all sizes x 8."""
+    x8 = 8 if DEVICE == "cuda" else 1
+    n, window = 45 * x8, window and window * x8
     q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype)
     whole = causal_attention(q, k, v, cu_q, cu_k, n, n, None, window)
-    others = segments((30, 3), (30, 3), seed=3, dtype=dtype)
-    for cut in (0, 5, 16, 44):
-        row = [torch.cat([others[i][:30], x, others[i][30:]]) for i, x in enumerate((q[cut:], k, v))]
-        cu_q2 = torch.tensor([0, 30, 30 + n - cut, 33 + n - cut], dtype=torch.int32, device=DEVICE)
-        cu_k2 = torch.tensor([0, 30, 30 + n, 33 + n], dtype=torch.int32, device=DEVICE)
-        out = causal_attention(*row, cu_q2, cu_k2, max(30, n - cut), n, None, window)
+    a, b = 30 * x8, 3 * x8
+    others = segments((a, b), (a, b), seed=3, dtype=dtype)
+    for cut in (0, 5 * x8, 16 * x8, 44 * x8):
+        row = [torch.cat([others[i][:a], x, others[i][a:]]) for i, x in enumerate((q[cut:], k, v))]
+        cu_q2 = torch.tensor([0, a, a + n - cut, a + b + n - cut], dtype=torch.int32, device=DEVICE)
+        cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
+        out = causal_attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
         assert torch.equal(pieces(out, cu_q2)[1], whole[cut:]), cut
 
 
