@@ -2,7 +2,8 @@
 mixed-length rollouts: our patched model through LogProbWorker.score (its defaults) against HF's own forward (logits,
 then log_softmax) with its experts as `grouped_mm` and as `eager` loops, in one run; the active-parameter FLOP
 floor beside them (2 x active parameters x tokens at the same run's bf16 GEMM rate). Also how many sequences'
-results differ between scored alone and packed with the others (the invariant mode promises none).
+results differ between scored alone and packed with the others (the invariant mode promises none), and on CUDA
+the memory a call allocates at its peak beyond the weights, ours and HF grouped_mm's.
 
   python benchmarks/bench_moe.py --out moe.json         # one H200
   python benchmarks/bench_moe.py --tiny                 # a CPU dry run, tiny config
@@ -67,6 +68,16 @@ def timed(fn, cuda: bool, reps: int) -> float:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return float(np.median(seconds))
+
+
+def peak_extra_gib(fn) -> float:
+    """GiB allocated at the peak of one call of fn beyond what was allocated before it (CUDA)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
 def hf_scores(model, seqs: list[list[int]], device: str):
@@ -232,6 +243,8 @@ def main() -> None:
                 model.set_experts_implementation(impl)
                 row[f"hf_{impl}_tokens_per_s"] = tokens / timed(lambda: hf_scores(model, seqs, device), cuda,
                                                                  args.reps)
+                if cuda:
+                    row[f"hf_{impl}_peak_extra_gib"] = peak_extra_gib(lambda: hf_scores(model, seqs, device))
             except (torch.OutOfMemoryError, ValueError, AttributeError, NotImplementedError) as e:
                 row[f"hf_{impl}"] = f"{type(e).__name__}: {str(e)[:120]}"
             if cuda:
@@ -239,6 +252,10 @@ def main() -> None:
         patch_model(model, backend="torch" if args.tiny else "auto")
         worker = LogProbWorker(model)
         row["ours_tokens_per_s"] = tokens / timed(lambda: worker.score(seqs), cuda, args.reps)
+        if cuda:  # beside the sorted rows' buffers of one expert layer (its middle and its down products, bf16)
+            row["ours_peak_extra_gib"] = peak_extra_gib(lambda: worker.score(seqs))
+            row["sorted_buffers_gib"] = tokens * config["num_experts_per_tok"] * 2 * (
+                config["moe_intermediate_size"] + config["hidden_size"]) / 2**30
         packed = worker.score(seqs)
         alone = [worker.score([s])[0] for s in seqs]
         row["sequences_differing"] = sum(not np.array_equal(p.log_probs, a.log_probs) for p, a in zip(packed, alone,
@@ -264,6 +281,10 @@ def main() -> None:
               + "".join(f"{x:>15.0f}" if x else f"{'-':>15}" for x in hf[:1])
               + "".join(f"{x:>10.0f}" if x else f"{'-':>10}" for x in hf[1:])
               + (f"{r['of_floor']:>10.2f}" if "of_floor" in r else f"{'-':>10}") + f"{r['sequences_differing']:>8}")
+    for r in rows:
+        if "ours_peak_extra_gib" in r:
+            print(f"{r['case']}: peak GiB beyond the weights: ours {r['ours_peak_extra_gib']:.2f} (one layer's sorted "
+                  f"rows {r['sorted_buffers_gib']:.2f}), HF grouped_mm {r.get('hf_grouped_mm_peak_extra_gib', 0):.2f}")
 
 
 if __name__ == "__main__":
