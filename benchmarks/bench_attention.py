@@ -15,6 +15,7 @@ import json
 
 import numpy as np
 import torch
+from bench_moe import ms_timer  # the same directory
 
 from ppo_logprobs.workers.models import causal_attention as ca
 
@@ -36,22 +37,6 @@ def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, d
     return q, k, v, cu
 
 
-def timer(cuda: bool):
-    if cuda:
-        import triton.testing
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200)
-
-    def once(fn) -> float:
-        import time
-
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return once
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
@@ -60,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    time_ms = timer(cuda)
+    time_ms = ms_timer(cuda, rep=200)
     floor = None
     if cuda:
         a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)

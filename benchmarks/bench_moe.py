@@ -162,7 +162,7 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     middle = gg.grouped_gate_up(hidden, gate_up, counts, source=source)
     out = gg.grouped_gemm(middle, down, counts)
     flops = 2 * tokens * k * h * i
-    timer = (lambda fn: triton_bench(fn)) if cuda else (lambda fn: timed(fn, False, 1) * 1e3)
+    timer = ms_timer(cuda)
     rows = []
 
     def row(name: str, fn, f: float) -> None:
@@ -200,10 +200,13 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     row("ours combine", lambda: gg.combine(out, position.view(tokens, k), weights), 0)
 
 
-def triton_bench(fn) -> float:
-    import triton.testing
+def ms_timer(cuda: bool, rep: int = 100):
+    """fn -> its milliseconds: triton's do_bench (median over `rep` ms of calls) on CUDA, else one call after one."""
+    if cuda:
+        import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=rep)
+    return lambda fn: timed(fn, False, 1) * 1e3
 
 
 def main() -> None:
