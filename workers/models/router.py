@@ -42,12 +42,19 @@ def _route_kernel(logits_ptr, weights_ptr, index_ptr, T, E, K: tl.constexpr, REN
     tl.store(index_ptr + at, ids.to(tl.int64), mask=ok)
 
 
-def route_reference(logits: Tensor, k: int, renormalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """HF's formula in torch (differentiable in logits): (weights [T, k] of `dtype`, expert ids [T, k])."""
-    top, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+def _weights(probabilities: Tensor, index: Tensor, renormalize: bool, dtype: torch.dtype) -> Tensor:
+    """The chosen experts' weights from the routing probabilities (fp32 [T, E]), as HF's formula gives them."""
+    top = probabilities.gather(-1, index)
     if renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(dtype), index
+    return top.to(dtype)
+
+
+def route_reference(logits: Tensor, k: int, renormalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """HF's formula in torch (differentiable in logits): (weights [T, k] of `dtype`, expert ids [T, k])."""
+    probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    index = torch.topk(probabilities, k, dim=-1).indices
+    return _weights(probabilities, index, renormalize, dtype), index
 
 
 class _Route(torch.autograd.Function):
@@ -72,10 +79,8 @@ class _Route(torch.autograd.Function):
         logits, index = ctx.saved_tensors
         with torch.enable_grad():
             x = logits.detach().requires_grad_()
-            top = torch.softmax(x, dim=-1, dtype=torch.float32).gather(-1, index)
-            if ctx.renormalize:
-                top = top / top.sum(dim=-1, keepdim=True)
-            (d_logits,) = torch.autograd.grad(top.to(ctx.dtype), x, grad)
+            weights = _weights(torch.softmax(x, dim=-1, dtype=torch.float32), index, ctx.renormalize, ctx.dtype)
+            (d_logits,) = torch.autograd.grad(weights, x, grad)
         return d_logits, None, None, None
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ppo_logprobs.workers.models.causal_attention import causal_attention
+from ppo_logprobs.workers.models.causal_attention import _launch, causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 24
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,8 +110,6 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
     left = window - 1 if window else -1
     want, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, *args, 0.0, True, False,
                                                            window_size_left=left, window_size_right=0)
-    from ppo_logprobs.workers.models.causal_attention import _launch
-
     out, our_lse = _launch(q, k, v, cu_q, cu_k, max(q_lengths), 128 ** -0.5, window)
     torch.testing.assert_close(out.float(), want.float(), rtol=0, atol=2e-2)
     torch.testing.assert_close(our_lse, lse, rtol=0, atol=1e-5)
