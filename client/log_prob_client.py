@@ -3,7 +3,8 @@
 Both clients split a batch under the server's per-request token limit and join the results in order, all of one
 weights version (parts answered with older weights than another part are asked again). Scoring
 and reads are retried on transport errors (a dropped connection, a timeout), on 429 and 503 answers, and on a 5xx
-that Serve's proxy gave instead of the gateway (no X-Replica header: the ingress replica was lost), after their
+or 404 that Serve's proxy gave instead of the gateway (no X-Replica header: the ingress replica was lost, or a
+proxy that restarted knows no route yet), after their
 Retry-After or an exponential backoff, with random jitter so that many clients do not retry in step; a reload
 (not idempotent), a 4xx and the gateway's own 500 are never retried. Anything that is not retried raises LogProbError
 with the server's message. Results come as float32 bytes (`binary=True`, the default; see workers/wire.py) or
@@ -143,7 +144,8 @@ def _settle(outcome: httpx.Response | httpx.TransportError, attempt: int, retry:
     """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the call
     is to be retried: Retry-After when the server gave one, else backoff * 2^attempt, plus up to 25% jitter."""
     transient = isinstance(outcome, httpx.TransportError) or outcome.status_code in RETRY_STATUSES or (
-        outcome.status_code >= 500 and "x-replica" not in outcome.headers)  # Serve's proxy lost the replica
+        (outcome.status_code >= 500 or outcome.status_code == 404)  # Serve's proxy lost the replica, or has no
+        and "x-replica" not in outcome.headers)  # route yet: the gateway itself always names its replica
     if not (retry and transient and attempt < limit):
         if isinstance(outcome, httpx.TransportError):
             raise LogProbError(0, f"no answer from the server ({type(outcome).__name__}: {outcome})") from outcome

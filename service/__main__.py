@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import threading
 
 from .config import Settings, is_loopback
+from .edge import Edge
 
 log = logging.getLogger("ppo_logprobs.service")
 
@@ -51,30 +53,47 @@ def main(argv: list[str] | None = None) -> None:
     if loopback:
         # a one-machine service keeps Ray's own listeners on loopback too (README: Security)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    folder = None
     if settings.ingress == "haproxy":
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-        haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
+        folder = tempfile.mkdtemp(prefix="ppl-")
+        haproxy_files(folder)
+    elif not loopback:
+        log.warning("Serve's Python proxy has no deadline for a request's headers: behind it, slow clients can hold "
+                    "connections open (the haproxy ingress bounds them)")
+    for name, value in Edge.of(settings).environment().items():
+        os.environ.setdefault(name, value)
+    try:
+        serve_until_stopped(settings)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def serve_until_stopped(settings: Settings) -> None:
     import ray
     from ray import serve
 
     from .app import build_app
 
-    hook = {"worker_process_setup_hook": "ppo_logprobs.service.loopback.setup_worker"} if loopback else {}
-    ray.init(include_dashboard=False, runtime_env=hook)
-    serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
-    serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
-    url = f"http://{settings.host}:{settings.port}"
-    log.info("ready on %s (docs at %s/docs). Try:", url, url)
-    log.info("  %s", curl_example(settings))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # every Ray process this starts applies the edge's bounds first (edge.py), HAProxy's manager among them
+    ray.init(include_dashboard=False, runtime_env={"worker_process_setup_hook": f"{__package__}.edge.setup_worker"})
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    log.info("shutting down: finishing requests in flight")
-    serve.shutdown()
-    ray.shutdown()
+        serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
+        serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
+        url = f"http://{settings.host}:{settings.port}"
+        log.info("ready on %s (docs at %s/docs). Try:", url, url)
+        log.info("  %s", curl_example(settings))
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        log.info("shutting down: finishing requests in flight")
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ build_app(settings) -> a Serve application; `python -m ppo_logprobs.service` run
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .batcher import Batcher
 from .config import Settings
+from .edge import refusal
 from .errors import to_response
 from .keeper import PoolKeeper
 from .loopback import keep_replica_grpc_on_loopback
@@ -109,8 +111,10 @@ class Gateway:
             )
             self.models[name] = ServedModel(pool, batcher, pool.vocab_size)
 
-    def health(self) -> dict[str, list[dict]]:
-        return {name: m.pool.health(timeout=10) for name, m in self.models.items()}
+    async def health(self, deadline_s: float) -> dict[str, list[dict]]:
+        """Every model's workers' health, all asked at once; a worker silent for `deadline_s` counts as not alive."""
+        asked = [asyncio.to_thread(m.pool.health, timeout=deadline_s) for m in self.models.values()]
+        return dict(zip(self.models, await asyncio.gather(*asked), strict=True))
 
     def tokenizer(self):
         """The tokenizer of settings.tokenizer (loaded once, from local files), or None."""
@@ -123,9 +127,10 @@ class Gateway:
         return self._tokenizer
 
 
-class _Count:
-    """ASGI middleware: counts answers by status and names the replica that gave them (X-Replica). Plain ASGI, not
-    Starlette's BaseHTTPMiddleware, which costs a task and a stream per request."""
+class _Edge:
+    """ASGI middleware in front of every route: the edge's refusal (Host, API key: edge.refusal), then counts
+    answers by status and names the replica that gave them (X-Replica). Plain ASGI, not Starlette's
+    BaseHTTPMiddleware, which costs a task and a stream per request."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -141,7 +146,9 @@ class _Count:
                 message["headers"] = [*message.get("headers", []), (b"x-replica", gw.replica.encode())]
             await send(message)
 
-        await self.app(scope, receive, counted)
+        refused = refusal(gw.settings, scope)
+        app = self.app if refused is None else to_response(HTTPException(refused[0], refused[1], refused[2]))
+        await app(scope, receive, counted)
 
 
 def make_fastapi() -> FastAPI:
@@ -157,7 +164,7 @@ def make_fastapi() -> FastAPI:
     async def mapped(request: Request, exc: Exception):
         return to_response(exc)  # errors FastAPI raises itself (a dependency, a body it parses)
 
-    app.add_middleware(_Count)
+    app.add_middleware(_Edge)
     return app
 
 

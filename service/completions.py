@@ -10,10 +10,12 @@ import time
 import uuid
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ppo_logprobs.workers.errors import RequestError, TooLarge
 from ppo_logprobs.workers.request import ScoreResult
+
+from .schemas import Flag, Float
 
 
 class CompletionRequest(BaseModel):
@@ -21,15 +23,15 @@ class CompletionRequest(BaseModel):
 
     model: str | None = None
     prompt: list[StrictInt] | list[list[StrictInt]] | str | list[str]
-    echo: StrictBool = False
+    echo: Flag = False
     logprobs: StrictInt | None = Field(None, ge=0)
     prompt_logprobs: StrictInt | None = Field(None, ge=0)
-    temperature: StrictFloat | StrictInt | None = None
+    temperature: Float | None = None
     max_tokens: StrictInt | None = 16
     n: StrictInt = 1
-    stream: StrictBool = False
-    return_token_ids: StrictBool = False
-    top_p: StrictFloat | StrictInt | None = None
+    stream: Flag = False
+    return_token_ids: Flag = False
+    top_p: Float | None = None
 
 
 class Refused(RequestError):

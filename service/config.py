@@ -70,7 +70,17 @@ class Settings(BaseSettings):
         None, description="python: Serve's Python proxy; haproxy: Serve's HAProxy ingress (ray[serve] brings it on "
         "Linux; on a cluster, RAY_SERVE_ENABLE_HA_PROXY=1 on every node); default: haproxy where it is installed",
     )
-    body_timeout_s: float = Field(10.0, gt=0, description="a request body not read whole by then is answered 408")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request's headers (at HAProxy), then its body (at the "
+                                  "replica), not read whole by then are answered 408")
+    max_connections: int = Field(4096, ge=16, description="client connections HAProxy holds at once on a node, "
+                                 "idle ones included")
+    max_connections_per_client: int = Field(
+        1024, ge=1, description="connections one client address holds at once; more are refused (HAProxy)"
+    )
+    allowed_hosts: list[str] = Field(
+        [], description="Host header names a key-less loopback service answers besides loopback ones (a guard "
+        "against DNS rebinding); a service with an API key answers any"
+    )
     max_open_requests: int = Field(
         1024, ge=1, description="requests one ingress replica holds at once, reading, queued or scored (Serve holds "
         "more at the proxy); slow senders take these, not the scoring queue",
@@ -97,6 +107,9 @@ class Settings(BaseSettings):
             self.api_key = None  # an empty key is no key
         if self.api_key is None and not is_loopback(self.host):
             raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
+        if self.max_connections_per_client > self.max_connections:
+            raise ValueError(f"max_connections_per_client ({self.max_connections_per_client}) is over max_connections "
+                             f"({self.max_connections})")
         if self.max_body_bytes is None:
             self.max_body_bytes = 16 * self.max_request_tokens + (1 << 20)
         if self.ingress is None:  # HAProxy answered 1.7-2.6x the requests/s of Serve's Python proxy (BENCHMARKS.md)

@@ -46,15 +46,23 @@ def one_line(text: str, limit: int = 300) -> str:
 
 
 def _validation_detail(errors: list[dict]) -> str:
+    # where a value fails one of our own checks (a float64's range), that is the error; the union members it was
+    # also tried as only repeat it
+    errors = [e for e in errors if e["type"] == "value_error"] or errors
     parts = []
     for err in errors[:5]:
         if err["type"] == "json_invalid":
             parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
             continue
-        loc = ".".join(str(x) for x in err["loc"] if x != "body")
+        loc = ".".join(str(x) for x in err["loc"] if x != "body" and not _union_tag(x))
         value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
-        parts.append(f"{loc or 'body'}: {err['msg']}{value}")
-    return "; ".join(parts)
+        parts.append(f"{loc or 'body'}: {err['msg'].removeprefix('Value error, ')}{value}")
+    return "; ".join(dict.fromkeys(parts))
+
+
+def _union_tag(x) -> bool:
+    """Whether a location item names a member of a union pydantic tried ('float', 'list[int]', ...), not a field."""
+    return isinstance(x, str) and ("[" in x or x in ("float", "int", "str", "bool", "none"))
 
 
 def to_response(exc: BaseException) -> JSONResponse:

@@ -9,9 +9,9 @@ renames it, `keep_replica_grpc_on_loopback` raises rather than serve with the po
 tests/service/test_gateway.py checks the sockets of every service process.
 
 Serve's HAProxy ingress (`--ingress haproxy`) binds its Prometheus and statistics frontends to all interfaces too,
-from a template that `ray/serve/_private/haproxy.py` renders; `setup_worker`, a Ray worker-process setup hook that
-`ppo-logprobs serve` installs for a loopback service, puts both on 127.0.0.1 (and the replicas' gRPC servers, for
-replicas of any deployment).
+from a template that `ray/serve/_private/haproxy.py` renders; `edge.setup_worker`, the Ray worker-process setup hook
+that `ppo-logprobs serve` installs, puts both on 127.0.0.1 for a loopback service (and the replicas' gRPC servers,
+for replicas of any deployment).
 """
 
 from __future__ import annotations
@@ -63,8 +63,3 @@ def keep_haproxy_on_loopback() -> None:
         template = template.replace(bind, bind.replace(":{{", "127.0.0.1:{{").replace("*", ""))
     haproxy.HAPROXY_CONFIG_TEMPLATE = template
 
-
-def setup_worker() -> None:
-    """Ray's worker_process_setup_hook for a loopback service: runs in every Ray worker process it starts."""
-    keep_replica_grpc_on_loopback("127.0.0.1")
-    keep_haproxy_on_loopback()

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from ppo_logprobs.workers.wire import ModelInfo
+
+
+def _float64(value: float | int) -> float | int:
+    if isinstance(value, int) and not -(2**1024) < value < 2**1024:
+        raise ValueError("is beyond the range of a float64")
+    return value
+
+
+# The value types of every request body: a JSON number that a float64 holds (an integer as large as 2**1100 is
+# refused, not an OverflowError later), and true or false only ("yes", 1 and "true" are refused).
+Float = Annotated[StrictFloat | StrictInt, AfterValidator(_float64)]
+Flag = StrictBool
 
 
 class LogProbsRequest(BaseModel):
@@ -15,10 +29,10 @@ class LogProbsRequest(BaseModel):
     score_from: StrictInt | list[StrictInt] = Field(
         1, description="first scored position: entry k of a result is log p(seq[s + k] | seq[:s + k])"
     )
-    temperature: StrictFloat | StrictInt | list[StrictFloat | StrictInt] = Field(
+    temperature: Float | list[Float] = Field(
         1.0, description="divides the logits; one value or one per sequence, each in [0.01, 100]"
     )
-    return_entropy: StrictBool = True
+    return_entropy: Flag = True
     top_k: StrictInt = Field(0, description="also each entry's k most likely tokens (log-probs, ids) and the "
                              "log-probability of all the others (the tail); at most the service's max_top_k")
     token_ids: list[StrictInt] | list[list[StrictInt]] | None = Field(
@@ -65,7 +79,7 @@ class ReloadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(..., min_length=1, max_length=4096, description="a checkpoint directory readable by the workers")
-    allow_non_finite: bool = Field(False, description="take weights holding NaN or infinite values (refused with 409 "
+    allow_non_finite: Flag = Field(False, description="take weights holding NaN or infinite values (refused with 409 "
                                    "otherwise)")
 
 

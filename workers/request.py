@@ -283,7 +283,11 @@ def rollout_values(rollout_log_probs, request: ScoreRequest) -> np.ndarray:
             j = next(j for j, x in enumerate(values) if isinstance(x, (bool, np.bool_))
                      or not isinstance(x, (int, float, np.integer, np.floating)))
             raise RequestError(f"rollout_log_probs[{i}][{j}] = {_value(values[j])} must be a number")
-        array = np.asarray(values, dtype=np.float64)
+        try:
+            array = np.asarray(values, dtype=np.float64)
+        except OverflowError:  # an integer beyond float64
+            j = next(j for j, x in enumerate(values) if isinstance(x, int) and not abs(x) < 2**1024)
+            raise RequestError(f"rollout_log_probs[{i}][{j}] = {_value(values[j])} is out of range") from None
         if (bad := np.flatnonzero(~np.isfinite(array) | (array > 0))).size:
             j = int(bad[0])
             raise RequestError(f"rollout_log_probs[{i}][{j}] = {array[j].item()!r} must be a finite log-probability "

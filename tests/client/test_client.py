@@ -143,8 +143,9 @@ def test_errors_carry_the_server_message(url):
 
 class _Scripted(BaseHTTPRequestHandler):
     """An HTTP/1.1 proxy in front of the real service: the first POSTs get the answers in `script` (a status code
-    as the gateway gives it, "drop": the connection is closed without an answer, or "lost": Serve's proxy's plain
-    500 for a replica that died), later ones are forwarded."""
+    as the gateway gives it, "drop": the connection is closed without an answer, "lost": Serve's proxy's plain
+    500 for a replica that died, or "unrouted": the plain 404 of a proxy that knows no route yet), later ones are
+    forwarded."""
 
     protocol_version = "HTTP/1.1"
     target: httpx.Client
@@ -163,8 +164,9 @@ class _Scripted(BaseHTTPRequestHandler):
             if step == "drop":
                 self.close_connection = True
                 return
-            if step == "lost":
-                self._answer(httpx.Response(500, text="Internal Server Error"))
+            if step in ("lost", "unrouted"):
+                self._answer(httpx.Response(500, text="Internal Server Error") if step == "lost" else
+                             httpx.Response(404, text="Path '/logprobs' not found. Ping http://.../-/routes"))
                 return
             self._answer(httpx.Response(step, json={"detail": f"scripted {step}"},
                                         headers={"Retry-After": "1", "X-Replica": "scripted"}))
@@ -260,7 +262,7 @@ def test_reload_is_never_retried(proxy, script, status):
     assert len(_Scripted.posts) == 1
 
 
-@pytest.mark.parametrize("status", [400, 422, 500])
+@pytest.mark.parametrize("status", [400, 404, 422, 500])
 def test_errors_that_are_not_transient_are_not_retried(proxy, status):
     with LogProbClient(proxy([status]), backoff=0.01) as client:
         with pytest.raises(LogProbError, match=f"HTTP {status}: scripted {status}"):
@@ -269,11 +271,12 @@ def test_errors_that_are_not_transient_are_not_retried(proxy, status):
     assert len(_Scripted.posts) == 1
 
 
-def test_a_500_from_serves_proxy_is_retried(proxy, tiny):
-    """Serve's proxy answers a plain 500 (no X-Replica) for a request whose ingress replica died: scoring is asked
-    again; the gateway's own 500 (with X-Replica) is not (above)."""
+def test_a_500_or_404_from_serves_proxy_is_retried(proxy, tiny):
+    """Serve's proxy answers a plain 500 (no X-Replica) for a request whose ingress replica died, and a plain 404
+    while it knows no route (HAProxy restarted): scoring is asked again; the gateway's own 500 and 404 (with
+    X-Replica) are not (above)."""
     seqs = random_sequences(2, seed=37)
-    with LogProbClient(proxy(["lost", "lost"]), backoff=0.01) as client:
+    with LogProbClient(proxy(["lost", "unrouted"]), backoff=0.01) as client:
         assert_equal_to_model(client.score(seqs), seqs, tiny)
         assert client.retries == 2
 

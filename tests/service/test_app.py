@@ -1,7 +1,7 @@
 """The gateway's pure parts, without Ray or Serve: each replica's share of the per-model limits, GatewayMetrics as the
 Prometheus text it exports (tokens, shared tokens, latency, rollout mismatch, and the queue, calls and batch fill
-sampled from a real Batcher in front of a LogProbWorker), _Count (answers counted by status, X-Replica), and the
-FastAPI app mapping the errors FastAPI raises itself."""
+sampled from a real Batcher in front of a LogProbWorker), _Edge (the edge's refusals, answers counted by status,
+X-Replica), and the FastAPI app mapping the errors FastAPI raises itself."""
 
 import asyncio
 
@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 
 from ppo_logprobs.service import Settings
-from ppo_logprobs.service.app import Gateway, GatewayMetrics, ServedModel, _Count, make_fastapi, share
+from ppo_logprobs.service.app import Gateway, GatewayMetrics, ServedModel, _Edge, make_fastapi, share
 from ppo_logprobs.service.batcher import Batcher
 from ppo_logprobs.workers import LogProbWorker
 
@@ -144,7 +144,7 @@ def test_count_counts_each_answer_by_status_and_names_the_replica():
         async def send(message):
             sent.append(message)
 
-        await _Count(answer_ok)(scope, None, send)
+        await _Edge(answer_ok)(scope, None, send)
         return sent
 
     with registered(Gateway(Settings(api_key=""), {}, replica="replica-a")) as gw:
@@ -168,9 +168,9 @@ def test_count_passes_through_what_is_not_http_and_everything_before_the_gateway
 
     gw = Gateway(Settings(api_key=""), {}, replica="replica-a")
     with registered(gw):
-        asyncio.run(_Count(inner)({"type": "lifespan"}, None, send))
+        asyncio.run(_Edge(inner)({"type": "lifespan"}, None, send))
     with registered(None):
-        asyncio.run(_Count(inner)(http_scope(), None, send))
+        asyncio.run(_Edge(inner)(http_scope(), None, send))
     assert passed == [send, send]  # (the server's own send: nothing counted, no header added)
     assert not any(series.startswith("ppo_logprobs_requests_total") for series in exported(gw.metrics))
 
@@ -187,6 +187,7 @@ def test_the_app_counts_its_answers_and_maps_the_errors_fastapi_raises_itself():
         r = client.get("/v1/health")
         assert r.status_code == 401 and r.json() == {
             "detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"}
+        assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-replica"] == "replica-a"
         r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 422 and r.json() == {"detail": "path: Input should be a valid string (got 5)"}
         got = exported(gw.metrics)

@@ -135,6 +135,11 @@ MALFORMED = [
     ({"input_ids": [[1, 2, 3]], "temperature": 1e308}, "temperature[0] = 1e+308 must be a number in [0.01, 100]", 422),
     ({"input_ids": [[1, 2, 3]], "model": "x" * 50000}, "model 'xxxxxxxx", 404),
     ({"input_ids": [[1, 2, 3]], "temperature": "hot"}, "temperature", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": 2**1100}, "temperature: is beyond the range of a float64", 422),
+    ({"input_ids": [[1, 2, 3]], "temperature": [-(2**1100)]}, "temperature.0: is beyond the range of a float64", 422),
+    ({"input_ids": [[1, 2, 3, 4]], "rollout_log_probs": [[-(10**400), -1, -1]]},
+     "rollout_log_probs[0][0] = -1000000", 422),
+    ({"input_ids": [[1, 2, 3, 4]], "rollout_log_probs": [[-1, -1, -(2**1100)]]}, "rollout_log_probs[0][2] = -135", 422),
     ({"input_ids": [[1, 2, 3]], "return_entropy": "yes"}, "return_entropy", 422),
     ({"input_ids": [[1, 2, 3]], "extra": 1}, "extra: Extra inputs are not permitted", 422),
     ({"input_ids": [[1, 2, 3]], "model": "critic"}, "model 'critic' is not served", 404),
@@ -472,6 +477,25 @@ def test_readyz_says_only_ready_and_details_need_the_key(server):
     assert keyed["ready"] and "pid" in keyed["models"]["policy"][0] and keyed["replica"]
 
 
+def test_readiness_answers_at_once_while_every_worker_is_stopped(server):
+    """Both models' workers SIGSTOPped: /readyz still answers, well inside the client's 6 s (it asks every worker at
+    once with a 1 s deadline; it took 10 s a worker, one after another), and /v1/health names the silent ones."""
+    pids = [w["pid"] for ws in httpx.get(server + "/v1/health").json()["models"].values() for w in ws]
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        ready = httpx.get(server + "/readyz", timeout=6)
+        health = httpx.get(server + "/v1/health", timeout=30)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert (ready.status_code, ready.json()) == (503, {"ready": False})
+    workers = [w for ws in health.json()["models"].values() for w in ws]
+    assert health.status_code == 503 and all(w["error"] == "no answer within 5 s" for w in workers), workers
+    assert httpx.get(server + "/readyz", timeout=30).status_code == 200
+
+
 def test_the_services_sockets_listen_on_loopback(server):
     """Every listening socket of this Ray instance's processes is on loopback, Serve's replica gRPC servers too
     (Ray 2.60 binds them to all interfaces; service/loopback.py rebinds them: a Ray upgrade that defeats it fails
@@ -544,7 +568,7 @@ def test_slow_senders_hold_up_no_scoring(server):
 
     async def slow_sender():
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /slow/logprobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /slow/logprobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{")
         answer = asyncio.create_task(reader.readline())
         for _ in range(120):  # a byte every 0.25 s, for up to 30 s

@@ -13,7 +13,6 @@ from ppo_logprobs.service.loopback import (
     _loopback_address,
     keep_haproxy_on_loopback,
     keep_replica_grpc_on_loopback,
-    setup_worker,
 )
 
 METRICS, STATS = "bind :{{ config.metrics_port }}", "bind *:{{ config.stats_port }}"
@@ -89,8 +88,3 @@ def test_a_template_without_a_known_bind_is_refused_and_left_as_it_was(monkeypat
                                   "loopback")
     assert haproxy.HAPROXY_CONFIG_TEMPLATE == renamed and METRICS in renamed
 
-
-def test_the_worker_setup_hook_applies_both():
-    setup_worker()
-    assert replica.add_port_to_grpc_server._on_loopback
-    assert METRICS not in haproxy.HAPROXY_CONFIG_TEMPLATE and STATS not in haproxy.HAPROXY_CONFIG_TEMPLATE

@@ -1,4 +1,4 @@
-"""The routes' helpers, without Ray or Serve: the API key check (and its dependency), the gateway dependency, the
+"""The routes' helpers, without Ray or Serve: the gateway dependency, the
 content type, the Accept header's ranking, reading a body from a real Starlette request (its size limit, declared
 or streamed, and its time limit), the served model by name, readiness, and where off_loop runs its work."""
 
@@ -16,11 +16,9 @@ from ppo_logprobs.service.routes import (
     _ready,
     current_gateway,
     gateway,
-    key_matches,
     media_type,
     off_loop,
     read_body,
-    require_key,
     served,
     set_gateway,
     wants_binary,
@@ -59,27 +57,6 @@ def body_request(chunks: list[bytes], *, complete: bool = True, headers: dict | 
 
 def read(request, limit=1024, timeout_s=10.0) -> bytes:
     return asyncio.run(read_body(request, limit, timeout_s))
-
-
-def test_without_a_key_every_request_passes_and_with_one_only_a_bearer_of_it():
-    with registered(None):
-        assert key_matches(None) and key_matches("Bearer anything")
-    with registered(Gateway(Settings(api_key=""), {})):  # (empty: no key, whatever the environment says)
-        assert key_matches(None) and key_matches("Basic xyz")
-    with registered(Gateway(Settings(api_key="s3cret"), {})):
-        assert all(key_matches(header) for header in ("Bearer s3cret", "bearer s3cret", "BEARER s3cret"))
-        for header in (None, "", "s3cret", "Bearer", "Basic s3cret", "Bearer s3cre", "Bearer s3cret2",
-                       "Bearer s3cret ", "Bearer  s3cret", "Token s3cret"):
-            assert not key_matches(header), header
-
-
-def test_a_request_without_the_key_is_answered_401_saying_how_to_send_it():
-    with registered(Gateway(Settings(api_key="s3cret"), {})):
-        assert asyncio.run(require_key("Bearer s3cret")) is None
-        with pytest.raises(HTTPException) as refused:
-            asyncio.run(require_key("Bearer wrong"))
-    assert refused.value.status_code == 401
-    assert refused.value.detail == "missing or wrong API key: send 'Authorization: Bearer <key>'"
 
 
 def test_before_the_gateway_is_registered_the_routes_answer_503_with_retry_after():

@@ -1,11 +1,14 @@
 """`python -m ppo_logprobs.service` (what `make serve` and `ppo-logprobs serve` run) in a process of its own, with
 two ingress replicas behind Serve's HAProxy ingress (the default where it is installed): answers from both
-replicas, bad input, body limits, media types and auth as test_gateway checks them behind Serve's Python proxy,
-and no listener beyond loopback, HAProxy's included."""
+replicas, bad input, body limits, media types and auth as test_gateway checks them behind Serve's Python proxy, the
+key on every route but health and readiness, a slow-header flood, a fuzz of the bodies, no socket beyond
+loopback (HAProxy's included, UDP too), and nothing left behind after a stop."""
 
 import ipaddress
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,13 +16,18 @@ import time
 import httpx
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from ppo_logprobs.service.app import make_fastapi
+from ppo_logprobs.service.edge import OPEN_ROUTES
 from ppo_logprobs.workers.wire import BINARY
 
 from ..helpers import free_port, random_sequences
 from .test_gateway import MALFORMED
 
 KEY = {"Authorization": "Bearer s3cret"}
+BODY_TIMEOUT_S, PER_CLIENT = 4, 64
 
 
 @pytest.fixture(scope="module", params=["haproxy"])
@@ -36,7 +44,8 @@ def served(request, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "ppo_logprobs.service", "--ingress", request.param, "--ingress-replicas", "2",
              "--port", str(port), "--backend", "torch", "--max-request-tokens", "4000", "--max-tokens-per-batch",
-             "512", "--pool-name", f"cmd-{request.param}"],
+             "512", "--pool-name", f"cmd-{request.param}", "--body-timeout-s", str(BODY_TIMEOUT_S),
+             "--max-connections-per-client", str(PER_CLIENT)],
             stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
@@ -132,7 +141,92 @@ def test_auth_media_types_and_body_limits(served):
     assert r.status_code == 413 and f"over {limit} bytes" in r.json()["detail"]
 
 
+def test_every_route_but_health_and_readiness_needs_the_key(served):
+    url, _, _ = served
+    app = make_fastapi()
+    routes = [(method.upper(), path.replace("{name}", "policy")) for path, methods in app.openapi()["paths"].items()
+              for method in methods]
+    routes += [("GET", route.path) for route in app.routes if hasattr(route, "path")]  # (the docs' own)
+    assert len(routes) >= 12 and ("GET", "/metrics") in routes and ("GET", "/openapi.json") in routes
+    for method, path in [*routes, ("GET", "/no/such/route")]:
+        anonymous = httpx.request(method, url + path, timeout=30)
+        if path in OPEN_ROUTES:
+            assert anonymous.status_code == 200, (method, path)
+            continue
+        assert anonymous.status_code == 401 and anonymous.headers["www-authenticate"] == "Bearer", (method, path)
+        keyed = httpx.request(method, url + path, headers=KEY, timeout=30)
+        assert keyed.status_code != 401, (method, path)
+
+
+def test_a_slow_header_flood_is_closed_and_others_are_served_meanwhile(served):
+    """Three times a client's share of connections from 127.0.0.2, each sending a request line and one header and
+    then nothing: the rest are refused, those held are answered 408 when the headers' deadline passes, and clients
+    at 127.0.0.1 are served all the while (it took every HAProxy slot, and ordinary requests timed out, before)."""
+    url, _, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    flood, answers = [], []
+    for _ in range(3 * PER_CLIENT):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=BODY_TIMEOUT_S + 30,
+                                         source_address=("127.0.0.2", 0))
+            s.sendall(b"POST /logprobs HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            flood.append(s)
+        except ConnectionResetError:
+            answers.append(b"")  # refused at once
+    seqs = random_sequences(2, seed=901)
+    for _ in range(5):
+        assert post(url, {"input_ids": seqs}).status_code == 200
+    for s in flood:
+        with s:
+            try:
+                answers.append(s.recv(4096))
+            except ConnectionResetError:
+                answers.append(b"")
+    assert sum(a.startswith(b"HTTP/1.1 408") for a in answers) == PER_CLIENT, answers[:3]
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**1100), 2**1100) | st.integers(-3, 600) | st.floats()
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=30,
+)
+FIELDS = {"/logprobs": ["model", "input_ids", "score_from", "temperature", "return_entropy", "top_k", "token_ids",
+                        "rollout_log_probs"],
+          "/v1/completions": ["model", "prompt", "echo", "logprobs", "prompt_logprobs", "temperature", "max_tokens",
+                              "n", "stream", "return_token_ids", "top_p"],
+          "/v1/models/policy/reload": ["path", "allow_non_finite"]}
+TOKENS = st.lists(st.lists(st.integers(0, 502), min_size=2, max_size=6), min_size=1, max_size=3)
+VALUES = {"input_ids": TOKENS | JSON, "prompt": TOKENS | JSON,
+          # no fuzzed path names a directory the workers would read as a checkpoint
+          "path": JSON.map(lambda v: "/no/such/dir/" + v if isinstance(v, str) else v)}
+BODIES = st.one_of(
+    st.binary(max_size=64),
+    JSON.map(lambda v: json.dumps(v).encode()),
+    st.sampled_from(sorted(FIELDS)).flatmap(lambda route: st.fixed_dictionaries(
+        {}, optional={name: VALUES.get(name, JSON) for name in FIELDS[route]}).map(lambda b: json.dumps(b).encode())),
+    st.integers(1, 20000).map(lambda depth: b"[" * depth + b"]" * depth),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(route=st.sampled_from(sorted(FIELDS)), body=BODIES)
+def test_no_body_gets_a_500_or_hangs(served, route, body):
+    """Bodies from the schema's fields with values of every JSON type and size, valid token lists among them, any
+    JSON, any bytes, deep nesting: each answered within the client's timeout, never with a 5xx; an error names
+    what is wrong in one line."""
+    url, _, _ = served
+    r = httpx.post(url + route, content=body, headers={**KEY, "Content-Type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (route, body[:200], r.text[:300])
+    if r.status_code != 200:
+        detail = r.json()["detail"]
+        assert isinstance(detail, str) and detail and "\n" not in detail, r.text[:300]
+
+
 def test_every_listener_is_on_loopback(served):
+    """TCP listeners and UDP sockets alike (HAProxy's syslog target held two UDP sockets on 0.0.0.0)."""
     url, proc, mode = served
     root = psutil.Process(proc.pid)
     outside, listeners = [], []
@@ -142,10 +236,24 @@ def test_every_listener_is_on_loopback(served):
             name = " ".join(p.cmdline())[:80]
         except psutil.Error:
             continue
-        listening = [s for s in sockets if s.status == psutil.CONN_LISTEN]
+        listening = [s for s in sockets if s.status == psutil.CONN_LISTEN or s.type == socket.SOCK_DGRAM]
         listeners += [name] if listening else []
         outside += [(name, s.laddr) for s in listening
                     if not ipaddress.ip_address(s.laddr.ip.removeprefix("::ffff:")).is_loopback]
     assert not outside, outside
     assert sum("ServeReplica" in n for n in listeners) >= 3  # two ingress replicas and the keeper
     assert mode != "haproxy" or any("haproxy" in n.split()[0] for n in listeners), listeners
+
+
+def test_stopping_leaves_nothing_behind(served):
+    """SIGTERM (what the fixture's end sends; here first): the service exits, with its HAProxy, and the folder of
+    HAProxy's configuration and sockets is removed."""
+    _, proc, _ = served
+    root = psutil.Process(proc.pid)
+    haproxies = [p for p in root.children(recursive=True) if "haproxy" in p.name()]
+    folders = {os.path.dirname(os.path.dirname(arg)) for p in haproxies for arg in p.cmdline() if arg.endswith(".cfg")}
+    assert haproxies and len(folders) == 1 and os.path.basename(next(iter(folders))).startswith("ppl-"), folders
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    psutil.wait_procs(haproxies, timeout=60)
+    assert not any(p.is_running() for p in haproxies) and not os.path.exists(next(iter(folders)))

@@ -225,6 +225,8 @@ def test_mismatch_against_a_plain_computation_per_sequence():
     ([[-0.1, -0.2], [-0.3, True]], r"rollout_log_probs\[1\]\[1\] = True must be a number"),
     ([[-0.1, -0.2], "ab"], r"rollout_log_probs\[1\] has 'ab'"),
     ("ab", r"one list of log-probs per sequence"),
+    ([[-0.1, -(10**400)], [-0.3, -1]], r"rollout_log_probs\[0\]\[1\] = -1000+\.\.\. is out of range"),
+    ([[-0.1, -0.2], [2**1024, -1]], r"rollout_log_probs\[1\]\[0\] = 1797\d+\.\.\. is out of range"),
 ])
 def test_rollout_log_probs_are_checked_against_the_request(rollout, message):
     from ppo_logprobs.workers.request import rollout_values

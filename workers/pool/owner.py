@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "ppo_logprobs"  # the Ray namespace of named pools, and of the owners' saved state
 STAGING = "staging"  # the workers' concurrency group (a thread) in which updates are read or received, so that
 # a worker goes on scoring with the weights it has meanwhile; commits run between scoring calls
+HEALTH = "health"  # and the one in which it answers health checks, beside scoring and staging
 READ_DEADLINE_S = 900.0  # the longest a worker may take to read a checkpoint before the update is given up
 
 

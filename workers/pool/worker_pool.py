@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -37,7 +37,7 @@ from ..request import (
     with_mismatch,
 )
 from ..sharding import check_shardable
-from .owner import NAMESPACE, STAGING, WeightOwner, actors
+from .owner import HEALTH, NAMESPACE, STAGING, WeightOwner, actors
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +237,8 @@ class WorkerPool:
         ).remote(key, model)
         from .pool_worker import PoolWorker  # (here: a process that only holds handles imports no torch)
 
-        actor = ray.remote(concurrency_groups={STAGING: 1})(PoolWorker)  # updates stage beside scoring
+        # updates stage, and health checks answer, beside scoring
+        actor = ray.remote(concurrency_groups={STAGING: 1, HEALTH: 1})(PoolWorker)
 
         ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
 
@@ -380,12 +381,19 @@ class WorkerPool:
                             bucket_bytes=bucket_bytes, timeout_s=timeout_s, allow_non_finite=allow_non_finite)
 
     def health(self, timeout: float = 30.0) -> list[dict]:
-        """Each actor's info (device, weights_version, pid, row stats), or alive=False with the error."""
+        """Each actor's info (device, weights_version, pid, row stats), or alive=False with the error; all are asked
+        at once (in a thread of their own, beside scoring and updates), and one that has not answered within
+        `timeout` seconds is reported as not alive."""
+        asked = [w.health.options(concurrency_group=HEALTH).remote() for w in self.workers]
+        ray.wait(asked, num_returns=len(asked), timeout=timeout)
         out = []
-        for i, w in enumerate(self.workers):
+        for i, ref in enumerate(asked):
             try:
-                out.append(dict(index=i, alive=True, **ray.get(w.health.remote(), timeout=timeout)))
-            except Exception as e:  # a dead or hung actor is reported, not raised
+                out.append(dict(index=i, alive=True, **ray.get(ref, timeout=0)))
+            except GetTimeoutError:
+                ray.cancel(ref)
+                out.append(dict(index=i, alive=False, error=f"no answer within {timeout:g} s"))
+            except Exception as e:  # a dead actor is reported, not raised
                 out.append(dict(index=i, alive=False, error=f"{type(e).__name__}: {e}"))
         return out
 
