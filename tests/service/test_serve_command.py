@@ -186,6 +186,23 @@ def test_a_slow_header_flood_is_closed_and_others_are_served_meanwhile(served):
     assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers)
 
 
+def test_a_body_with_both_lengths_is_read_as_chunked_and_the_connection_closed(served):
+    """Content-Length and Transfer-Encoding both (a request-smuggling shape): HAProxy drops the length, reads the
+    body as chunked, and closes the connection after the answer, as RFC 9112 section 6.3 allows."""
+    url, _, _ = served
+    body = b'{"input_ids": [[1, 2, 3, 4]]}'
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60) as s:
+        s.sendall(b"POST /logprobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        answer = b""
+        while chunk := s.recv(65536):  # (until the server closes)
+            answer += chunk
+    head, _, content = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower(), head
+    assert len(json.loads(content)["results"][0]["log_probs"]) == 3
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**1100), 2**1100) | st.integers(-3, 600) | st.floats()
     | st.text(max_size=8),
