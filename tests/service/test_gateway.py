@@ -266,7 +266,8 @@ def test_a_worker_killed_under_load(server, tiny, checkpoint):
 
 
 def metric(server, prefix, name, model="policy") -> float:
-    for line in httpx.get(server + prefix + "/metrics").text.splitlines():
+    key = {"Authorization": "Bearer s3cret"}  # (the small app's; the others have none and take any)
+    for line in httpx.get(server + prefix + "/metrics", headers=key).text.splitlines():
         if line.startswith(f'{name}{{model="{model}",'):
             return float(line.split()[-1])
     return 0.0
