@@ -91,7 +91,7 @@ def score(args: argparse.Namespace) -> None:
         try:
             models = client.models()
         except LogProbError as e:
-            raise SystemExit(f"{args.url}: {e}") from None
+            raise SystemExit(f"{args.url}: {e.detail}") from None
         info = next((m for m in models if m.name == args.model), None if args.model else models[0])
         if info is None:
             raise SystemExit(f"{args.url} serves no model {args.model!r} (it serves {[m.name for m in models]})")
@@ -125,7 +125,7 @@ def score(args: argparse.Namespace) -> None:
 
 
 def bench(args: argparse.Namespace) -> None:
-    from .log_prob_client import AsyncLogProbClient
+    from .log_prob_client import AsyncLogProbClient, LogProbError
 
     async def run() -> dict:
         async with AsyncLogProbClient(args.url, api_key=_api_key(args)) as client:
@@ -136,10 +136,14 @@ def bench(args: argparse.Namespace) -> None:
                          for _ in range(args.sequences)] for _ in range(args.requests)]
             await client.score(requests[0], model=info.name)  # warm-up
             sem = asyncio.Semaphore(args.clients)
+            done = 0
 
             async def one(r):
+                nonlocal done
                 async with sem:
                     await client.score(r, model=info.name)
+                done += 1
+                _write(sys.stderr, f"\r{done}/{args.requests} requests")
 
             start = time.perf_counter()
             await asyncio.gather(*(one(r) for r in requests))
@@ -149,7 +153,12 @@ def bench(args: argparse.Namespace) -> None:
                         seconds=seconds, requests_per_s=args.requests / seconds, tokens_per_s=tokens / seconds,
                         retries=client.retries)
 
-    _write(sys.stdout, json.dumps(asyncio.run(run())) + "\n")
+    try:
+        figures = asyncio.run(run())
+    except LogProbError as e:
+        raise SystemExit(f"{args.url}: {e.detail}") from None
+    _write(sys.stderr, "\n")
+    _write(sys.stdout, json.dumps(figures) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ as JSON text.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -27,6 +28,7 @@ from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
 RETRY_STATUSES = (429, 503)
+log = logging.getLogger("ppo_logprobs.client")
 
 
 class LogProbError(RuntimeError):
@@ -139,22 +141,10 @@ def _results(responses: list[dict]) -> list[SequenceLogProbs]:
     return out
 
 
-def _settle(outcome: httpx.Response | httpx.TransportError, attempt: int, retry: bool, limit: int,
-            backoff: float) -> tuple[dict | None, float]:
-    """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the call
-    is to be retried: Retry-After when the server gave one, else backoff * 2^attempt, plus up to 25% jitter."""
-    transient = isinstance(outcome, httpx.TransportError) or outcome.status_code in RETRY_STATUSES or (
-        (outcome.status_code >= 500 or outcome.status_code == 404)  # Serve's proxy lost the replica, or has no
-        and "x-replica" not in outcome.headers)  # route yet: the gateway itself always names its replica
-    if not (retry and transient and attempt < limit):
-        if isinstance(outcome, httpx.TransportError):
-            raise LogProbError(0, f"no answer from the server ({type(outcome).__name__}: {outcome})") from outcome
-        return _raise_for(outcome), 0.0
-    try:
-        wait = max(0.0, float(outcome.headers["Retry-After"]))  # type: ignore[union-attr]
-    except (AttributeError, KeyError, ValueError):
-        wait = backoff * 2**attempt
-    return None, wait * (1 + 0.25 * random.random())
+def _text(response: httpx.Response) -> str:
+    if response.status_code != 200:
+        _raise_for(response)
+    return response.text
 
 
 def _raise_for(response: httpx.Response) -> dict:
@@ -180,6 +170,35 @@ class _Base:
         self.timeout, self.max_retries, self.backoff = timeout, max_retries, backoff
         self.max_request_tokens = max_request_tokens
         self._limits: dict[str | None, int] = {}
+        self._reached = False  # whether anything has answered at base_url yet
+
+    def _settle(self, outcome: httpx.Response | httpx.TransportError, attempt: int, retry: bool
+                ) -> tuple[dict | None, float]:
+        """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the
+        call is to be retried (said on stderr, through logging): Retry-After when the server gave one, else backoff *
+        2^attempt, plus up to 25% jitter. A refused connection before anything ever answered is final: nothing
+        listens there (after, it is a service restarting, and retried)."""
+        if isinstance(outcome, httpx.ConnectError) and not self._reached:
+            raise LogProbError(0, f"nothing listens at {self.base_url} ({outcome}): is the service running?") \
+                from outcome
+        self._reached |= isinstance(outcome, httpx.Response)
+        transient = isinstance(outcome, httpx.TransportError) or outcome.status_code in RETRY_STATUSES or (
+            (outcome.status_code >= 500 or outcome.status_code == 404)  # Serve's proxy lost the replica, or has no
+            and "x-replica" not in outcome.headers)  # route yet: the gateway itself always names its replica
+        if not (retry and transient and attempt < self.max_retries):
+            if isinstance(outcome, httpx.TransportError):
+                raise LogProbError(0, f"no answer from {self.base_url} ({type(outcome).__name__}: {outcome})") \
+                    from outcome
+            return _raise_for(outcome), 0.0
+        try:
+            wait = max(0.0, float(outcome.headers["Retry-After"]))  # type: ignore[union-attr]
+        except (AttributeError, KeyError, ValueError):
+            wait = self.backoff * 2**attempt
+        wait *= 1 + 0.25 * random.random()
+        reason = (f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, httpx.TransportError)
+                  else f"HTTP {outcome.status_code}")
+        log.warning("%s: %s; retry %d of %d in %.1f s", self.base_url, reason, attempt + 1, self.max_retries, wait)
+        return None, wait
 
     def _limit_from(self, models: list[ModelInfo], model: str | None) -> int:
         info = next((m for m in models if m.name == model), models[0]) if models else None
@@ -202,7 +221,7 @@ class LogProbClient(_Base):
                 outcome: httpx.Response | httpx.TransportError = self._http.request(method, path, json=body)
             except httpx.TransportError as e:
                 outcome = e
-            answer, wait = _settle(outcome, attempt, retry, self.max_retries, self.backoff)
+            answer, wait = self._settle(outcome, attempt, retry)
             if answer is not None:
                 return answer
             self.retries += 1
@@ -242,16 +261,25 @@ class LogProbClient(_Base):
         return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", body, retry=False))
 
     def ready(self) -> bool:
-        """Models loaded and every worker up (GET /readyz)."""
-        return self._http.get("/readyz").status_code == 200
+        """Every model can score (GET /readyz); False also when nothing answers."""
+        try:
+            return self._http.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def alive(self) -> bool:
         """The gateway answers (GET /healthz)."""
-        return self._http.get("/healthz").status_code == 200
+        try:
+            return self._http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
 
     def metrics(self) -> str:
         """The Prometheus exposition text (GET /metrics)."""
-        return self._http.get("/metrics").text
+        try:
+            return _text(self._http.get("/metrics"))
+        except httpx.TransportError as e:
+            raise LogProbError(0, f"no answer from {self.base_url} ({e})") from e
 
     def close(self) -> None:
         self._http.close()
@@ -279,7 +307,7 @@ class AsyncLogProbClient(_Base):
                 outcome: httpx.Response | httpx.TransportError = await self._http.request(method, path, json=body)
             except httpx.TransportError as e:
                 outcome = e
-            answer, wait = _settle(outcome, attempt, retry, self.max_retries, self.backoff)
+            answer, wait = self._settle(outcome, attempt, retry)
             if answer is not None:
                 return answer
             self.retries += 1
@@ -313,13 +341,22 @@ class AsyncLogProbClient(_Base):
         return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", body, retry=False)))
 
     async def ready(self) -> bool:
-        return (await self._http.get("/readyz")).status_code == 200
+        try:
+            return (await self._http.get("/readyz")).status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def alive(self) -> bool:
-        return (await self._http.get("/healthz")).status_code == 200
+        try:
+            return (await self._http.get("/healthz")).status_code == 200
+        except httpx.TransportError:
+            return False
 
     async def metrics(self) -> str:
-        return (await self._http.get("/metrics")).text
+        try:
+            return _text(await self._http.get("/metrics"))
+        except httpx.TransportError as e:
+            raise LogProbError(0, f"no answer from {self.base_url} ({e})") from e
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -19,7 +19,7 @@ from ppo_logprobs.client.log_prob_client import _chunks
 from ppo_logprobs.service import Settings
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, perturbed, random_sequences, save, serving
+from ..helpers import alone, free_port, perturbed, random_sequences, save, serving
 
 CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
@@ -279,6 +279,74 @@ def test_a_500_or_404_from_serves_proxy_is_retried(proxy, tiny):
     with LogProbClient(proxy(["lost", "unrouted"]), backoff=0.01) as client:
         assert_equal_to_model(client.score(seqs), seqs, tiny)
         assert client.retries == 2
+
+
+def test_nothing_listening_fails_at_once_in_one_line(tmp_path):
+    """No service at the URL: the clients and both commands stop at the first refused connection (they retried 8
+    times over two and a half minutes, in silence, before), naming the URL."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    with LogProbClient(dead) as client:
+        with pytest.raises(LogProbError, match=f"nothing listens at {dead} .*: is the service running"):
+            client.score([[1, 2, 3]])
+        assert client.retries == 0 and not client.ready() and not client.alive()
+
+    async def run():
+        async with AsyncLogProbClient(dead) as client:
+            with pytest.raises(LogProbError, match=f"nothing listens at {dead}"):
+                await client.score([[1, 2, 3]])
+            return client.retries
+
+    assert asyncio.run(run()) == 0
+    (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    for command in (["score", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")], ["bench"]):
+        out = subprocess.run([*CLI, *command, "--url", dead], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(f"{dead}: nothing listens at"), \
+            out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_a_service_that_answered_and_then_refuses_is_retried_until_it_is_back(url, tiny, caplog):
+    """Refused after it answered once (a restart: HAProxy's took 24 s): retried, each retry said as a warning,
+    until the service is back on its port."""
+    port = free_port()
+    _Scripted.target, _Scripted.script, _Scripted.posts = httpx.Client(base_url=url, timeout=120), [], []
+
+    class OneAnswerAConnection(_Scripted):  # (a kept-alive connection would outlive the server's shutdown)
+        protocol_version = "HTTP/1.0"
+
+    def serve() -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer(("127.0.0.1", port), OneAnswerAConnection)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    server = serve()
+    client = LogProbClient(f"http://127.0.0.1:{port}", backoff=0.05)
+    client.models()  # (reached once)
+    server.shutdown()
+    server.server_close()
+
+    def back_after_a_retry() -> None:
+        deadline = time.monotonic() + 60
+        while client.retries == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        servers.append(serve())
+
+    servers: list = []
+    restarter = threading.Thread(target=back_after_a_retry)
+    restarter.start()
+    seqs = random_sequences(2, seed=38)
+    try:
+        with caplog.at_level("WARNING", logger="ppo_logprobs.client"):
+            assert_equal_to_model(client.score(seqs), seqs, tiny)
+    finally:
+        restarter.join()
+        client.close()
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+        _Scripted.target.close()
+    assert client.retries >= 1 and any("ConnectError" in r.message and "retry 1 of 8" in r.message
+                                       for r in caplog.records)
 
 
 def test_connect_pool_gives_the_services_workers(url, tiny):
