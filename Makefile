@@ -8,7 +8,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch first, so that no requirement pulls a multi-GB CUDA build
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,trl]'
 	touch $@
 
 .PHONY: install test lint serve bench clean
@@ -20,10 +20,10 @@ lint: install
 # two pytest processes side by side: one runs the files that start Ray clusters, one after the other (one Ray on the
 # machine at a time, as the service and connect_pool() expect), the other the rest (its report printed after); the
 # Ray tests wait on process starts a third of the time, which the other fills
-RAY_TESTS := tests/service tests/workers/pool tests/client tests/deploy tests/examples
+RAY_TESTS := tests/service tests/workers/pool tests/client tests/deploy tests/examples tests/integrations
 test: lint
 	@$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/service --ignore=tests/workers/pool \
-	  --ignore=tests/client --ignore=tests/deploy --ignore=tests/examples > .test-rest.log 2>&1 & rest=$$!; \
+	  --ignore=tests/client --ignore=tests/deploy --ignore=tests/examples --ignore=tests/integrations > .test-rest.log 2>&1 & rest=$$!; \
 	$(PY) -m pytest $(RAY_TESTS); ray=$$?; wait $$rest; other=$$?; \
 	echo "== the other tests (tests/workers but its pool, tests/test_layers.py) =="; cat .test-rest.log; \
 	exit $$(( ray || other ))

@@ -15,7 +15,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
 # The files that start Ray clusters (`make test` runs them in one pytest process, the rest in another beside it)
-_RAY = ("tests/service/", "tests/workers/pool/", "tests/client/", "tests/deploy/", "tests/examples/")
+_RAY = ("tests/service/", "tests/workers/pool/", "tests/client/", "tests/deploy/", "tests/examples/",
+        "tests/integrations/")
 
 
 def _ray_processes() -> set[int]:

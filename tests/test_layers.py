@@ -5,7 +5,8 @@ messages mark it. Not seen: imports by string (workers/__init__.py's lazy attrib
 Layers, bottom to top: the contract (workers/{errors,request,wire,sharding,families,distributed,prefixes}.py), the head,
 the weights (tensors staged, read, sent: they know no model class), the models, the pool (with the workers package
 itself and its __main__), the service, and the client, which imports only the contract when it is imported (a
-rollout worker needs neither Ray nor torch) and the pool only inside `connect_pool` (a trainer's)."""
+rollout worker needs neither Ray nor torch) and the pool only inside `connect_pool` (a trainer's); the framework
+adapters (integrations) on top."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPS = ("workers", "service", "client")  # the import root's subpackages (pyproject.toml's package-dir)
+TOPS = ("workers", "service", "client", "integrations")  # the import root's subpackages (pyproject.toml's package-dir)
 W = "ppo_logprobs.workers"
 CONTRACT = {f"{W}.{name}" for name in ("errors", "request", "wire", "sharding", "families", "distributed", "prefixes")}
-ORDER = ("contract", "head", "weights", "models", "pool", "service", "client")  # bottom to top
+ORDER = ("contract", "head", "weights", "models", "pool", "service", "client", "integrations")  # bottom to top
 CLIENT_MAY_IMPORT = {"contract", "client"}
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def layer(module: str) -> str | None:
             return name
     if module in (W, f"{W}.__main__"):
         return "pool"
-    for top in ("service", "client"):
+    for top in ("service", "client", "integrations"):
         if module == f"ppo_logprobs.{top}" or module.startswith(f"ppo_logprobs.{top}."):
             return top
     return None
