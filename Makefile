@@ -11,7 +11,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench,trl]'
 	touch $@
 
-.PHONY: install test lint serve bench clean
+# verl pins transformers below 5.11 and takes ~3 min to install: its adapter's tests run in an environment of their own
+IVENV ?= .venv-integrations
+$(IVENV)/.installed: pyproject.toml
+	python3 -m venv $(IVENV)
+	$(IVENV)/bin/python -m pip install -q --upgrade pip
+	$(IVENV)/bin/python -m pip install -q $(TORCH_PIN)
+	$(IVENV)/bin/python -m pip install -q -e '.[test,verl]'
+	touch $@
+
+.PHONY: install test test-integrations lint serve bench clean
 install: $(VENV)/.installed
 
 lint: install
@@ -28,6 +37,10 @@ test: lint
 	echo "== the other tests (tests/workers but its pool, tests/test_layers.py) =="; cat .test-rest.log; \
 	exit $$(( ray || other ))
 
+# the verl adapter against verl itself (CI runs it after `make test`)
+test-integrations: $(IVENV)/.installed
+	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
+
 # the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
 serve: install
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
@@ -36,4 +49,4 @@ bench: install
 	$(PY) benchmarks/bench_head.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(IVENV) .pytest_cache

@@ -33,7 +33,7 @@ class Service:
         """The WorkerPool behind this service (weights are sent to a pool), or None over HTTP."""
         return self.target if hasattr(self.target, "compute_log_probs") else None
 
-    def score(self, seqs: list[list[int]], starts: list[int], temperature: float, entropy: bool,
+    def score(self, seqs: list[list[int]], starts: list[int], temperature: float | list[float], entropy: bool,
               rollout: list[list[float]] | None = None) -> list:
         """One result per sequence (`.log_probs`, `.entropy`, `.weights_version`, `.mismatch`), one call."""
         if self.pool is not None:
@@ -108,10 +108,13 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> 
     return Rows(seqs, starts, columns, sent, (ids.shape[0], width))
 
 
-def score_rows(service: Service, rows: Rows, temperature: float, entropy: bool,
+def score_rows(service: Service, rows: Rows, temperature: float | list[float], entropy: bool,
                rollout: list[list[float]] | None = None) -> list:
-    """The service's results for the rows that have entries (`rows.sent`, in order)."""
+    """The service's results for the rows that have entries (`rows.sent`, in order). `temperature`: one, or one
+    per row; `rollout`: one list per sent row."""
     if not rows.sent:
         return []
+    if isinstance(temperature, list):
+        temperature = [temperature[b] for b in rows.sent]
     return service.score([rows.seqs[b] for b in rows.sent], [rows.starts[b] for b in rows.sent], temperature,
                          entropy, rollout)
