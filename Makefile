@@ -39,7 +39,7 @@ test: lint
 
 # the verl adapter against verl itself (CI runs it after `make test`)
 test-integrations: $(IVENV)/.installed
-	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py
+	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_example.py
 
 # the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
 serve: install
