@@ -229,7 +229,7 @@ class LogProbClient(_Base):
         raise AssertionError("unreachable")
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(**m) for m in self._call("GET", "/v1/models")["models"]]
+        return [ModelInfo(**m) for m in self._call("GET", "/v1/models")["data"]]
 
     def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
               temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
@@ -315,7 +315,7 @@ class AsyncLogProbClient(_Base):
         raise AssertionError("unreachable")
 
     async def models(self) -> list[ModelInfo]:
-        return [ModelInfo(**m) for m in (await self._call("GET", "/v1/models"))["models"]]
+        return [ModelInfo(**m) for m in (await self._call("GET", "/v1/models"))["data"]]
 
     async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
                     temperature: float | Sequence[float] = 1.0, *, model: str | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, HTTPException, Request
@@ -99,6 +100,7 @@ class Gateway:
     def __init__(self, settings: Settings, pools: dict, *, replica: str = "local", replicas: int = 1) -> None:
         self.settings = settings
         self.replica = replica
+        self.started = int(time.time())  # (OpenAI's `created` of the models it lists)
         self.metrics = GatewayMetrics(replica)
         self._tokenizer = None
         self.models: dict[str, ServedModel] = {}

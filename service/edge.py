@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 
 from .config import is_loopback
 
-OPEN_ROUTES = frozenset({"/healthz", "/readyz"})  # answered without the key: liveness and readiness, nothing more
+# answered without the key: liveness (ours, and vLLM's /health) and readiness, nothing more
+OPEN_ROUTES = frozenset({"/healthz", "/health", "/readyz"})
 ENV = "PPO_LOGPROBS_EDGE"  # the Edge, as JSON, for the processes Ray starts
 
 _FRONTEND = "    bind {{ config.frontend_host }}:{{ config.frontend_port }}\n"

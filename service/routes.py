@@ -5,6 +5,7 @@ failure becomes an answer in `errors.to_response`."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import time
 from typing import Annotated
 
@@ -16,11 +17,22 @@ from ppo_logprobs.workers.errors import TooLarge
 from ppo_logprobs.workers.request import ScoreRequest, mismatch, rollout_values
 from ppo_logprobs.workers.wire import BINARY, encode_binary, encode_json
 
-from .completions import CompletionRequest, answer, prompts_of, scoring_inputs
+from .completions import CompletionRequest, Refused, answer, prompts_of, scoring_inputs
 from .errors import NonFiniteResults, one_line, to_response
-from .schemas import LogProbsRequest, LogProbsResponse, ModelInfo, ModelList, ReloadRequest
+from .schemas import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    LogProbsRequest,
+    LogProbsResponse,
+    ModelInfo,
+    ModelList,
+    ReloadRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 router = APIRouter()
+VERSION = importlib.metadata.version("ppo-logprobs")
 
 ## NB: Serve pickles the FastAPI app apart from the ingress class, so the replica's Gateway cannot be put on
 # app.state from its constructor; each replica process holds exactly one, registered here when it starts.
@@ -186,15 +198,26 @@ async def completions(request: Request, gw: GatewayDep) -> Response:
 
 def model_info(gw, name: str, version: int) -> ModelInfo:
     return ModelInfo(
-        name=name, vocab_size=gw.models[name].vocab_size, max_length=gw.settings.max_tokens_per_batch,
-        max_request_tokens=gw.settings.max_request_tokens, weights_version=version,
+        id=name, name=name, created=gw.started, vocab_size=gw.models[name].vocab_size,
+        max_length=gw.settings.max_tokens_per_batch, max_request_tokens=gw.settings.max_request_tokens,
+        weights_version=version,
     )
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(gw: GatewayDep) -> ModelList:
+    """The served models, in OpenAI's list shape (`data[].id`), each with its vocabulary, limits and version."""
     states = await asyncio.gather(*(m.pool.owner.state.remote() for m in gw.models.values()))
-    return ModelList(models=[model_info(gw, name, s["version"]) for name, s in zip(gw.models, states, strict=True)])
+    return ModelList(data=[model_info(gw, name, s["version"]) for name, s in zip(gw.models, states, strict=True)])
+
+
+@router.get("/v1/models/{name}", response_model=ModelInfo)
+async def retrieve_model(name: str, gw: GatewayDep) -> ModelInfo | JSONResponse:
+    try:
+        name, model = served(gw, name)
+        return model_info(gw, name, (await model.pool.owner.state.remote())["version"])
+    except Exception as e:
+        return to_response(e)
 
 
 @router.post("/v1/models/{name}/reload", response_model=ModelInfo)
@@ -214,6 +237,51 @@ async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo | 
 @router.get("/healthz")
 async def healthz() -> dict:
     return {"status": "ok"}
+
+
+@router.get("/health")
+async def health_plain() -> Response:
+    """vLLM's and SGLang's liveness route: 200 with an empty body (as /healthz)."""
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": VERSION}
+
+
+def _tokenizer_of(gw):
+    tokenizer = gw.tokenizer()
+    if tokenizer is None:
+        raise Refused("this service has no tokenizer (start it with --tokenizer DIR); send token ids instead")
+    return tokenizer
+
+
+@router.post("/tokenize", response_model=TokenizeResponse)
+async def tokenize(body: TokenizeRequest, gw: GatewayDep) -> TokenizeResponse | JSONResponse:
+    """vLLM's shape: the prompt's token ids, their count and the longest sequence the model scores."""
+    try:
+        served(gw, body.model)
+        tokenizer = _tokenizer_of(gw)
+        ids = await asyncio.to_thread(lambda: tokenizer(body.prompt, add_special_tokens=body.add_special_tokens))
+        tokens = list(ids["input_ids"])
+        return TokenizeResponse(count=len(tokens), max_model_len=gw.settings.max_tokens_per_batch, tokens=tokens)
+    except Exception as e:
+        return to_response(e)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, gw: GatewayDep) -> DetokenizeResponse | JSONResponse:
+    try:
+        _, model = served(gw, body.model)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise HTTPException(422, f"tokens[{bad}] = {body.tokens[bad]} is not a token id of the model (its "
+                                     f"vocabulary has {model.vocab_size})")
+        tokenizer = _tokenizer_of(gw)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+    except Exception as e:
+        return to_response(e)
 
 
 READY_DEADLINE_S = 1.0  # /readyz answers within about this, whatever the workers do (all are asked at once)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
@@ -72,7 +72,37 @@ class LogProbsResponse(BaseModel):
 
 
 class ModelList(BaseModel):
-    models: list[ModelInfo]
+    """OpenAI's list shape."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body (text prompts; chat messages are not taken)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: Flag = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ReloadRequest(BaseModel):

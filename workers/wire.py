@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Literal
 
 import numpy as np
 import orjson
@@ -101,7 +102,13 @@ def decode_binary(body: bytes) -> tuple[dict, np.ndarray, np.ndarray | None, np.
 
 
 class ModelInfo(BaseModel):
-    name: str
+    """A served model, as OpenAI's model object (id, object, created, owned_by) with ours beside."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(0, description="when this gateway replica started (Unix seconds)")
+    owned_by: str = "ppo-logprobs"
+    name: str = Field(..., description="the same as id")
     vocab_size: int
     max_length: int = Field(..., description="tokens in one sequence")
     max_request_tokens: int = Field(..., description="tokens in one request; clients split larger batches")

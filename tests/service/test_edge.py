@@ -156,11 +156,12 @@ def test_only_a_bearer_of_the_key_passes_the_scheme_in_any_case():
 @pytest.mark.parametrize("root", ["", "/small"])
 def test_with_a_key_every_route_but_the_open_ones_needs_it(root):
     settings = Settings(api_key="s3cret")
-    for path in ("/logprobs", "/metrics", "/docs", "/openapi.json", "/v1/models", "/no/such/route", "/"):
+    for path in ("/logprobs", "/metrics", "/docs", "/openapi.json", "/v1/models", "/v1/models/policy", "/version",
+                 "/tokenize", "/detokenize", "/no/such/route", "/"):
         assert refusal(settings, scope(path, root)) == (
             401, "missing or wrong API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"}), path
         assert refusal(settings, scope(path, root, authorization="Bearer s3cret")) is None
-    assert OPEN_ROUTES == {"/healthz", "/readyz"}
+    assert OPEN_ROUTES == {"/healthz", "/health", "/readyz"}
     assert all(refusal(settings, scope(path, root)) is None for path in OPEN_ROUTES)
     assert refusal(settings, scope("/x/healthz", root)) is not None
 

@@ -1,6 +1,7 @@
 """The gateway under Ray Serve, called over real HTTP on loopback."""
 
 import asyncio
+import importlib.metadata
 import ipaddress
 import os
 import signal
@@ -109,7 +110,7 @@ def test_two_models_chosen_per_request(server, tiny, checkpoint):
         assert r.status_code == 200 and r.json()["model"] == name
         for res, seq in zip(r.json()["results"], seqs, strict=True):
             check(res, model, seq)
-    listed = httpx.get(server + "/v1/models").json()["models"]
+    listed = httpx.get(server + "/v1/models").json()["data"]
     assert [m["name"] for m in listed] == ["policy", "reference"] and listed[0]["vocab_size"] == 503
 
 
@@ -228,7 +229,7 @@ def test_a_worker_killed_under_load(server, tiny, checkpoint):
     import threading
     import time
 
-    version = httpx.get(server + "/v1/models").json()["models"][0]["weights_version"]
+    version = httpx.get(server + "/v1/models").json()["data"][0]["weights_version"]
     model = tiny if version == 0 else checkpoint[1]
     requests = [random_sequences(2, seed=300 + i, lo=100, hi=400) for i in range(24)]
     pid = next(w["pid"] for w in httpx.get(server + "/v1/health").json()["models"]["policy"])
@@ -451,6 +452,44 @@ def test_completions_give_the_most_likely_next_token_and_refuse_what_they_cannot
     assert choice["prompt_token_ids"] == [5, 7, 9]
     assert choice["logprobs"]["tokens"][:3] == ["t5", "t7", "t9"]
     assert choice["logprobs"]["tokens"][3] == f"t{choice['token_ids'][0]}"
+
+
+def test_openai_clients_list_retrieve_and_score(server, tiny):
+    """The `openai` package against the gateway, as vLLM users point it: models.list() and models.retrieve() in
+    OpenAI's shapes (our fields beside), a 404 for a model not served, and completions.create(echo=True,
+    logprobs=5) giving the model's log-probs of the prompt."""
+    import openai
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == ["policy", "reference"]
+    assert all(m.object == "model" and m.owned_by == "ppo-logprobs" and m.created > 0 for m in listed.data)
+    assert listed.data[0].model_extra["vocab_size"] == 503 and listed.data[1].model_extra["weights_version"] == 0
+    assert client.models.retrieve("reference").id == "reference"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert "'nope' is not served; served: policy, reference" in missing.value.response.json()["detail"]
+    seq = [5, 17, 300, 42, 7]
+    completion = client.completions.create(model="policy", prompt=seq, echo=True, logprobs=5, max_tokens=0)
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.top_logprobs[1]) == 5
+    lp, _ = alone(tiny, seq)
+    np.testing.assert_allclose(np.array(logprobs.token_logprobs[1:], dtype=np.float32), lp, rtol=0, atol=1e-5)
+
+
+def test_health_version_and_tokenize_in_vllms_shapes(server):
+    assert httpx.get(server + "/health").status_code == 200 and httpx.get(server + "/health").content == b""
+    assert httpx.get(server + "/version").json() == {"version": importlib.metadata.version("ppo-logprobs")}
+    r = post(server, {"prompt": "t5 t7 t502"}, "/slow/tokenize")
+    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": 16384, "tokens": [5, 7, 502]}
+    r = post(server, {"tokens": [5, 7, 502]}, "/slow/detokenize")
+    assert r.status_code == 200 and r.json() == {"prompt": "t5 t7 t502"}
+    r = post(server, {"tokens": [5, 503]}, "/slow/detokenize")
+    assert r.status_code == 422 and "tokens[1] = 503 is not a token id" in r.json()["detail"]
+    r = post(server, {"prompt": "t5"}, "/tokenize")  # (main has no tokenizer)
+    assert r.status_code == 400 and "--tokenizer" in r.json()["detail"]
+    r = post(server, {"model": "nope", "prompt": "t5"}, "/slow/tokenize")
+    assert r.status_code == 404 and "'nope' is not served" in r.json()["detail"]
 
 
 def test_binary_results_are_the_json_results_bitwise(server):

@@ -155,7 +155,7 @@ def test_losing_an_ingress_replica_loses_no_answer_and_touches_no_worker(server,
         for r, seq in zip(results, seqs, strict=True):
             np.testing.assert_allclose(r.log_probs, alone(model, seq)[0], rtol=0, atol=1e-5)
     assert worker_pids(server) == pids
-    assert httpx.get(server + "/v1/models").json()["models"][0]["weights_version"] == version
+    assert httpx.get(server + "/v1/models").json()["data"][0]["weights_version"] == version
     deadline = time.monotonic() + 120
     while running_replicas() < 2 or victim.pid in [p.pid for p in ingress_processes()]:
         assert time.monotonic() < deadline, "Serve did not bring the replica back"
@@ -166,7 +166,7 @@ def test_scaling_the_ingress_touches_no_worker(server, settings, tiny):
     """1 -> 3 -> 1 ingress replicas, each a new deployment of the application with another setting: the keeper
     attaches to the running pools, so workers keep their processes and weights version."""
     pids = worker_pids(server)
-    version = httpx.get(server + "/v1/models").json()["models"][0]["weights_version"]
+    version = httpx.get(server + "/v1/models").json()["data"][0]["weights_version"]
     seqs = random_sequences(2, seed=800)
     for replicas in (1, 3, 1):
         serve.run(build_app(settings.model_copy(update={"ingress_replicas": replicas})), name=APP, route_prefix="/")

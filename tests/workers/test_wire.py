@@ -40,7 +40,8 @@ def test_a_malformed_binary_body_is_refused(cut):
 
 
 def test_model_info_is_the_contracts():
-    info = ModelInfo(name="policy", vocab_size=503, max_length=256, max_request_tokens=4000, weights_version=2)
+    info = ModelInfo(id="policy", name="policy", vocab_size=503, max_length=256, max_request_tokens=4000,
+                     weights_version=2)
     assert ModelInfo(**json.loads(info.model_dump_json())) == info
 
 
