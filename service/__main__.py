@@ -7,9 +7,14 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+from typing import NoReturn
+
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .config import Settings, is_loopback
 from .edge import Edge
@@ -17,13 +22,77 @@ from .edge import Edge
 log = logging.getLogger("ppo_logprobs.service")
 
 
+def fail(message: str) -> NoReturn:
+    """A start-up mistake: one line on stderr, exit code 2 (as argparse's own)."""
+    sys.stderr.write(f"ppo-logprobs serve: {message}\n")
+    raise SystemExit(2)
+
+
+def _values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(argv)
+            if (a == flag and i + 1 < len(argv)) or a.startswith(flag + "=")]
+
+
+def _one_line(error: ValidationError) -> str:
+    parts = []
+    for e in error.errors():
+        message = e["msg"].removeprefix("Value error, ")
+        if e["loc"]:
+            parts.append(f"--{'.'.join(map(str, e['loc'])).replace('_', '-')}: {message} (got {e['input']!r:.200})")
+        else:
+            parts.append(message)
+    return "; ".join(parts)
+
+
 def parse_args(argv: list[str] | None = None) -> Settings:
-    """Settings from flags (generated from Settings; `--help` lists them) over PPO_LOGPROBS_* variables."""
+    """Settings from flags (generated from Settings; `--help` lists them) over PPO_LOGPROBS_* variables; a mistake
+    ends the command in one line (fail)."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
-        raise SystemExit("the API key is read from PPO_LOGPROBS_API_KEY or --api-key-file, never from a flag "
-                         "(other users of the machine would see it in ps)")
-    return Settings(_cli_parse_args=argv)
+        fail("the API key is read from PPO_LOGPROBS_API_KEY or --api-key-file, never from a flag (other users of the "
+             "machine would see it in ps)")
+    for value in _values(argv, "--models"):
+        if "=" not in value and not value.lstrip().startswith("{"):
+            fail(f"--models {value}: give NAME=PATH, the name clients ask for and the checkpoint directory (e.g. "
+                 f"--models policy={value})")
+    try:
+        return Settings(_cli_parse_args=argv)
+    except ValidationError as e:
+        fail(_one_line(e))
+    except SettingsError as e:
+        fail(str(e).splitlines()[0])
+
+
+def preflight(settings: Settings) -> None:
+    """What start-up would fail on later, checked before Ray starts: each checkpoint directory (on this machine;
+    joining a cluster through RAY_ADDRESS, the GPU nodes may hold paths this one does not: then only a warning),
+    the tokenizer, and the port."""
+    for name, path in settings.models.items():
+        if path == "tiny":
+            continue
+        problem = (f"no directory {path!r}" if not os.path.isdir(path) else
+                   f"{path!r} has no config.json: not a HuggingFace checkpoint directory"
+                   if not os.path.isfile(os.path.join(path, "config.json")) else None)
+        if problem and os.environ.get("RAY_ADDRESS") in (None, "", "local"):
+            fail(f"--models {name}={path}: {problem}")
+        if problem:
+            log.warning("--models %s=%s: %s on this machine (the GPU nodes must have it)", name, path, problem)
+    if settings.tokenizer is not None and not os.path.isdir(settings.tokenizer):
+        fail(f"--tokenizer {settings.tokenizer}: no directory {settings.tokenizer!r}")
+    if settings.tokenizer is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(settings.tokenizer, local_files_only=True)
+        except Exception as e:  # (whatever transformers raises for a directory it cannot read)
+            fail(f"--tokenizer {settings.tokenizer}: cannot load a tokenizer from it ({str(e).splitlines()[0]:.200})")
+    with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((settings.host, settings.port))
+        except OSError as e:
+            fail(f"--port {settings.port}: cannot listen on {settings.host}:{settings.port} ({e.strerror}): another "
+                 "service holds it? choose one with --port")
 
 
 def curl_example(settings: Settings) -> str:
@@ -47,6 +116,7 @@ def haproxy_files(folder: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = parse_args(argv)
+    preflight(settings)
     ## NB: Ray and Serve read these when they are imported (here and in every process Ray starts), so they are set
     # before the imports below.
     loopback = is_loopback(settings.host)

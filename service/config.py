@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
 from ppo_logprobs.workers.request import MAX_TOKEN_IDS, MAX_TOP_K, RATIO_BOUNDS
 
+PLACEHOLDER_KEYS = {"CHANGE-ME", "CHANGEME", "CHANGE_ME"}  # a key copied from an example is no secret
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -106,7 +108,11 @@ class Settings(BaseSettings):
         if self.api_key is not None and not self.api_key.get_secret_value():
             self.api_key = None  # an empty key is no key
         if self.api_key is None and not is_loopback(self.host):
-            raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback)")
+            raise ValueError(f"an API key is required to listen on {self.host!r} (anything but loopback): set "
+                             "PPO_LOGPROBS_API_KEY or --api-key-file")
+        if self.api_key is not None and self.api_key.get_secret_value().strip().upper() in PLACEHOLDER_KEYS:
+            raise ValueError("the API key is deploy/serve.yaml's placeholder 'CHANGE-ME': set a secret of your own "
+                             "(e.g. from `openssl rand -hex 32`)")
         if self.max_connections_per_client > self.max_connections:
             raise ValueError(f"max_connections_per_client ({self.max_connections_per_client}) is over max_connections "
                              f"({self.max_connections})")

@@ -1,0 +1,49 @@
+"""Start-up mistakes of `ppo-logprobs serve`, each ended before Ray starts in one line that names the setting and
+its value, with exit code 2 (they were tracebacks of 19-349 lines, or a service that started and then failed every
+request)."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+SERVE = [sys.executable, "-m", "ppo_logprobs.client.cli", "serve"]
+
+
+def serve(*args, **env):
+    environment = {k: v for k, v in os.environ.items() if k != "PPO_LOGPROBS_API_KEY"} | env
+    return subprocess.run([*SERVE, *args], capture_output=True, text=True, timeout=120, env=environment)
+
+
+@pytest.mark.parametrize("args, env, line", [
+    (["--host", "0.0.0.0"], {}, "an API key is required to listen on '0.0.0.0' (anything but loopback): set "
+     "PPO_LOGPROBS_API_KEY or --api-key-file"),
+    (["--host", "0.0.0.0"], {"PPO_LOGPROBS_API_KEY": "CHANGE-ME"}, "the API key is deploy/serve.yaml's placeholder "
+     "'CHANGE-ME'"),
+    (["--models", "/ckpt/a"], {}, "--models /ckpt/a: give NAME=PATH, the name clients ask for and the checkpoint "
+     "directory (e.g. --models policy=/ckpt/a)"),
+    (["--models", "policy=/nonexistent"], {}, "--models policy=/nonexistent: no directory '/nonexistent'"),
+    (["--models", "policy=/"], {}, "--models policy=/: '/' has no config.json: not a HuggingFace checkpoint"),
+    (["--tokenizer", "/no/such/dir"], {}, "--tokenizer /no/such/dir: no directory '/no/such/dir'"),
+    (["--tokenizer", "/"], {}, "--tokenizer /: cannot load a tokenizer from it"),
+    (["--max-queue", "x"], {}, "--max-queue: Input should be a valid integer"),
+    (["--api-key", "k"], {}, "the API key is read from PPO_LOGPROBS_API_KEY or --api-key-file, never from a flag"),
+])
+def test_a_mistake_is_one_line_and_exit_code_2(args, env, line):
+    out = serve(*args, **env)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"ppo-logprobs serve: {line}"), out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_a_port_in_use_is_named():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = serve("--port", str(port))
+    assert out.returncode == 2 and out.stderr == (
+        f"ppo-logprobs serve: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use): another "
+        "service holds it? choose one with --port\n")
