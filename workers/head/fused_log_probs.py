@@ -12,12 +12,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..request import MAX_TOP_K  # (the widest top-k the Triton kernels keep: a vocabulary tile holds a top list)
 from .backends import Backend, HeadOptions, backend_backward, backend_forward, resolve_backend
 from .torch_log_probs import Extras
 from .vocab_parallel import vocab_parallel_log_probs, vocab_split
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_TOP_K = 256  # the widest top-k the Triton kernels keep (a vocabulary tile holds a top list: its width caps k)
 
 
 def _position(flat_index: int, shape: torch.Size) -> str:
