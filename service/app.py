@@ -38,7 +38,7 @@ class GatewayMetrics:
     """Prometheus metrics of one ingress replica, in a registry of its own; every series carries the replica's
     id (`replica`), so that a cluster's totals are the sums over replicas."""
 
-    def __init__(self, replica: str) -> None:
+    def __init__(self, replica: str, models: tuple[str, ...] = ()) -> None:
         self.registry = CollectorRegistry()
         self.replica = replica
         model = ["model", "replica"]
@@ -61,12 +61,32 @@ class GatewayMetrics:
                                  registry=self.registry),
         }
         self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", model, registry=self.registry)
-        self.calls = Gauge("ppo_logprobs_worker_calls", "worker calls started, by model", model,
-                           registry=self.registry)
+        self.queued_tokens = Gauge("ppo_logprobs_queued_tokens", "tokens of the requests waiting, by model", model,
+                                   registry=self.registry)
+        self.calls = Counter("ppo_logprobs_worker_calls", "worker calls started, by model", model,
+                             registry=self.registry)
         self.fill = Gauge(
             "ppo_logprobs_batch_fill", "mean tokens per worker call over the batch budget", model,
             registry=self.registry,
         )
+        self.version = Gauge("ppo_logprobs_weights_version", "the model's weights version (its owner's), by model",
+                             model, registry=self.registry)
+        self.workers = Gauge("ppo_logprobs_workers", "the model's workers by state: live (answering) or down (not "
+                             "answering within 1 s: dead, restarting or stuck)", ["model", "state", "replica"],
+                             registry=self.registry)
+        self.reloads = Histogram("ppo_logprobs_reload_seconds", "reloads through this replica by model and outcome "
+                                 "(ok, failed): their duration", ["model", "outcome", "replica"],
+                                 buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600), registry=self.registry)
+        self._calls_seen: dict[str, int] = {}
+        for name in models:  # every series there from the start, at 0 (a dashboard's rate() needs the zero)
+            labels = dict(model=name, replica=replica)
+            for metric in (self.tokens, self.shared, self.latency, *self.mismatch.values(), self.queue,
+                           self.queued_tokens, self.calls, self.version):
+                metric.labels(**labels)
+            for state in ("live", "down"):
+                self.workers.labels(state=state, **labels)
+            for outcome in ("ok", "failed"):
+                self.reloads.labels(outcome=outcome, **labels)
 
     def observe(self, model: str, tokens: int, seconds: float, shared: int = 0) -> None:
         self.tokens.labels(model=model, replica=self.replica).inc(tokens)
@@ -79,13 +99,27 @@ class GatewayMetrics:
             for value in stats[name]:
                 series.observe(float(value))
 
-    def sample(self, models: dict[str, ServedModel]) -> None:
+    def observe_reload(self, model: str, seconds: float, ok: bool) -> None:
+        self.reloads.labels(model=model, outcome="ok" if ok else "failed", replica=self.replica).observe(seconds)
+
+    def sample(self, models: dict[str, ServedModel], health: dict[str, list[dict]] | None = None,
+               versions: dict[str, int] | None = None) -> None:
+        """The gauges, read now: each model's batcher; with `health` (Gateway.health) its workers, with `versions`
+        its weights version."""
         for name, m in models.items():
             labels = dict(model=name, replica=self.replica)
             self.queue.labels(**labels).set(len(m.batcher.waiting))
-            self.calls.labels(**labels).set(m.batcher.calls)
+            self.queued_tokens.labels(**labels).set(m.batcher.queued_tokens())
+            self.calls.labels(**labels).inc(m.batcher.calls - self._calls_seen.get(name, 0))
+            self._calls_seen[name] = m.batcher.calls
             if m.batcher.calls:
                 self.fill.labels(**labels).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
+        for name, workers in (health or {}).items():
+            live = sum(w["alive"] for w in workers)
+            self.workers.labels(model=name, state="live", replica=self.replica).set(live)
+            self.workers.labels(model=name, state="down", replica=self.replica).set(len(workers) - live)
+        for name, version in (versions or {}).items():
+            self.version.labels(model=name, replica=self.replica).set(version)
 
 
 def share(total: int, replicas: int) -> int:
@@ -101,7 +135,7 @@ class Gateway:
         self.settings = settings
         self.replica = replica
         self.started = int(time.time())  # (OpenAI's `created` of the models it lists)
-        self.metrics = GatewayMetrics(replica)
+        self.metrics = GatewayMetrics(replica, tuple(pools))
         self._tokenizer = None
         self.models: dict[str, ServedModel] = {}
         for name, pool in pools.items():

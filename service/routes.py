@@ -228,10 +228,16 @@ async def reload(name: str, body: ReloadRequest, gw: GatewayDep) -> ModelInfo | 
     with; concurrent reloads (and trainers' updates) are applied one after another, each with its own version."""
     try:
         name, model = served(gw, name)
-        version = await asyncio.to_thread(model.pool.update_weights, body.path, allow_non_finite=body.allow_non_finite)
-        return model_info(gw, name, version)
     except Exception as e:
         return to_response(e)
+    start = time.perf_counter()
+    try:
+        version = await asyncio.to_thread(model.pool.update_weights, body.path, allow_non_finite=body.allow_non_finite)
+    except Exception as e:
+        gw.metrics.observe_reload(name, time.perf_counter() - start, ok=False)
+        return to_response(e)
+    gw.metrics.observe_reload(name, time.perf_counter() - start, ok=True)
+    return model_info(gw, name, version)
 
 
 @router.get("/healthz")
@@ -311,5 +317,7 @@ def _ready(health: dict[str, list[dict]]) -> bool:
 
 @router.get("/metrics")
 async def metrics(gw: GatewayDep) -> PlainTextResponse:
-    gw.metrics.sample(gw.models)
+    health, states = await asyncio.gather(gw.health(READY_DEADLINE_S),
+                                          asyncio.gather(*(m.pool.owner.state.remote() for m in gw.models.values())))
+    gw.metrics.sample(gw.models, health, {name: s["version"] for name, s in zip(gw.models, states, strict=True)})
     return PlainTextResponse(generate_latest(gw.metrics.registry).decode(), media_type="text/plain; version=0.0.4")

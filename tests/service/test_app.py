@@ -59,6 +59,40 @@ def test_each_replica_has_a_registry_of_its_own():
     assert not any(series.startswith("ppo_logprobs_tokens_total") for series in exported(b))
 
 
+def test_every_series_is_there_from_the_start_with_its_type():
+    """Before any request: each model's counters, histograms (the mismatch ones too) and gauges at 0, of the
+    types a Prometheus scraper reads (counters as counters), the workers and the version once sampled."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = GatewayMetrics("r", ("policy", "reference"))
+    metrics.sample({}, {"policy": [{"alive": True}, {"alive": False}], "reference": [{"alive": True}]},
+                   {"policy": 3, "reference": 0})
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    kinds = {name: f.type for name, f in families.items()
+             if name.startswith("ppo_logprobs_") and not name.endswith("_created")}  # (the client's own gauges)
+    assert kinds == {
+        "ppo_logprobs_requests": "counter", "ppo_logprobs_tokens": "counter", "ppo_logprobs_shared_tokens": "counter",
+        "ppo_logprobs_worker_calls": "counter", "ppo_logprobs_latency_seconds": "histogram",
+        "ppo_logprobs_mismatch_kl": "histogram", "ppo_logprobs_mismatch_max_abs": "histogram",
+        "ppo_logprobs_mismatch_outside": "histogram", "ppo_logprobs_reload_seconds": "histogram",
+        "ppo_logprobs_queue_depth": "gauge", "ppo_logprobs_queued_tokens": "gauge", "ppo_logprobs_batch_fill": "gauge",
+        "ppo_logprobs_weights_version": "gauge", "ppo_logprobs_workers": "gauge"}
+    got = exported(metrics)
+    for model in ("policy", "reference"):
+        labels = f'model="{model}",replica="r"'
+        for series in ("tokens_total", "worker_calls_total", "mismatch_kl_count", "latency_seconds_count",
+                       "queued_tokens"):
+            assert got[f"ppo_logprobs_{series}{{{labels}}}"] == 0, series
+        assert got[f'ppo_logprobs_reload_seconds_count{{model="{model}",outcome="failed",replica="r"}}'] == 0
+    assert got['ppo_logprobs_workers{model="policy",replica="r",state="live"}'] == 1
+    assert got['ppo_logprobs_workers{model="policy",replica="r",state="down"}'] == 1
+    assert got['ppo_logprobs_weights_version{model="policy",replica="r"}'] == 3
+    metrics.observe_reload("policy", 2.0, ok=True)
+    got = exported(metrics)
+    assert got['ppo_logprobs_reload_seconds_count{model="policy",outcome="ok",replica="r"}'] == 1
+    assert got['ppo_logprobs_reload_seconds_bucket{le="1.0",model="policy",outcome="ok",replica="r"}'] == 0
+
+
 def test_rollout_mismatch_is_one_observation_per_sequence_of_each_statistic():
     metrics = GatewayMetrics("r")
     stats = {"mean_abs": np.array([0.5, 0.1, 0.0]), "max_abs": np.array([2.0, 0.005, 0.0]),
@@ -102,7 +136,7 @@ def test_the_queue_the_calls_and_the_batch_fill_are_sampled_from_the_models_batc
     def sampled(models) -> tuple:
         metrics.sample(models)
         got = exported(metrics)
-        return tuple(got.get(f"ppo_logprobs_{name}{{{labels}}}") for name in ("queue_depth", "worker_calls",
+        return tuple(got.get(f"ppo_logprobs_{name}{{{labels}}}") for name in ("queue_depth", "worker_calls_total",
                                                                                 "batch_fill"))
 
     async def run():

@@ -217,6 +217,8 @@ def test_health_ready_metrics_docs(server):
     metrics, replica = answer.text, answer.headers["X-Replica"]
     assert f'ppo_logprobs_requests_total{{replica="{replica}",status="200"}}' in metrics
     assert "ppo_logprobs_latency_seconds_bucket" in metrics and "ppo_logprobs_queue_depth" in metrics
+    assert f'ppo_logprobs_workers{{model="policy",replica="{replica}",state="live"}} 1.0' in metrics
+    assert f'ppo_logprobs_weights_version{{model="reference",replica="{replica}"}} 0.0' in metrics
     assert httpx.get(server + "/docs").status_code == 200
     assert "/logprobs" in httpx.get(server + "/openapi.json").json()["paths"]
 
@@ -290,7 +292,7 @@ def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
                 return r
 
             big_task = asyncio.create_task(send("huge", {"input_ids": huge, "return_entropy": False}))
-            while metric(server, "/big", "ppo_logprobs_worker_calls") < 1:  # the huge request is being scored
+            while metric(server, "/big", "ppo_logprobs_worker_calls_total") < 1:  # the huge request is being scored
                 assert not big_task.done(), big_task.result().text
                 await asyncio.sleep(0.05)
             small_r = await send("small", {"input_ids": small})
@@ -300,7 +302,7 @@ def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
     assert big_r.status_code == 200 and small_r.status_code == 200, (big_r.text[:300], small_r.text[:300])
     assert done == ["small", "huge"]
     assert int(small_r.headers["X-Calls-Waited"]) <= 1  # at most the call that was running when it came
-    assert metric(server, "/big", "ppo_logprobs_worker_calls") >= 128  # the huge one took 128 calls or more
+    assert metric(server, "/big", "ppo_logprobs_worker_calls_total") >= 128  # the huge one took 128 calls or more
     results = big_r.json()["results"]
     assert len(results) == 131072 and all("entropy" not in r for r in results[:10])
     for i in (0, 4097, 131071):  # spot checks: each sequence's one log-prob, in request order
