@@ -41,7 +41,7 @@ test: lint
 test-integrations: $(IVENV)/.installed
 	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_example.py
 
-# the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (README: Security)
+# the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (docs/security.md)
 serve: install
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
 

@@ -11,7 +11,7 @@ The trainer (this process) holds the policy on its device with AdamW. Each step 
 
 At the first minibatch of each step the policy has not changed since it was scored, so new == old and the ratio
 must be 1. In the invariant mode (the default) it is exactly 1.0 on every token; --fast shows what bf16 noise does
-without it. On the CPU the bits match only for the same batch (README "Exactness"): there the first minibatch is the
+without it. On the CPU the bits match only for the same batch (docs/exactness.md): there the first minibatch is the
 whole batch, which is what the workers scored.
 
   python examples/ppo_loop.py                                  # CPU: the tiny model, 3 steps

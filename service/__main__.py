@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     # before the imports below.
     loopback = is_loopback(settings.host)
     if loopback:
-        # a one-machine service keeps Ray's own listeners on loopback too (README: Security)
+        # a one-machine service keeps Ray's own listeners on loopback too (docs/security.md)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     folder = None
     if settings.ingress == "haproxy":

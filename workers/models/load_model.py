@@ -48,7 +48,7 @@ def load_model(
     (tensor_parallel.py): built alone and filled with its part of each checkpoint tensor (the whole model exists
     nowhere), or from `config` left as initialised. `shard` (rank, size) does the same without a group yet (a
     pool's rank joins its group later; it scores only then). `invariant=False`: the fast mode (patch_model's
-    invariant, and cuBLAS's process-wide defaults back: README "Exactness").
+    invariant, and cuBLAS's process-wide defaults back: docs/exactness.md).
     """
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())

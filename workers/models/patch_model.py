@@ -286,7 +286,7 @@ def patch_model(model: nn.Module, backend: Backend = "auto", packed_attention: P
     """Makes this model instance return CausalLMOutputForPPO (log_probs, entropy) from its forward, and runs its
     body's norms and MLP middles through fused kernels (fuse_body).
     `packed_attention`: how packed rows attend (see packed_attention_of). `invariant`: a sequence's results are the
-    same bits however it is batched (see README "Exactness"): GEMMs never split their sums (allow_split_k, a
+    same bits however it is batched (see docs/exactness.md): GEMMs never split their sums (allow_split_k, a
     process-wide setting that invariant=False leaves as it is) and see at least MIN_TOKENS rows. `process_group`:
     the model is sharded over it (tensor_parallel.shard_model) and its head scores the vocabulary split."""
     softcap = head_softcap(model)

@@ -354,7 +354,7 @@ class LogProbWorker:
         """A trainer's side of score(): per sequence, its log-probs (and entropies) as tensors that carry gradients
         to the model's parameters, from the forwards score() runs (same layout, kernels and row limit). In the
         invariant mode they are the bits a worker serving the same weights returns for these sequences, however
-        the worker's call was made up (on a GPU; on the CPU only when it scored exactly this batch: README
+        the worker's call was made up (on a GPU; on the CPU only when it scored exactly this batch: docs/trainers.md,
         "Using it from a PPO trainer")."""
         request = self.request(input_ids, score_from, temperature, return_entropy)
         offsets = request.result_offsets()
