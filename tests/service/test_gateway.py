@@ -456,7 +456,7 @@ def test_completions_give_the_most_likely_next_token_and_refuse_what_they_cannot
     assert choice["logprobs"]["tokens"][3] == f"t{choice['token_ids'][0]}"
 
 
-def test_openai_clients_list_retrieve_and_score(server, tiny):
+def test_openai_clients_list_retrieve_and_score(server, checkpoint):
     """The `openai` package against the gateway, as vLLM users point it: models.list() and models.retrieve() in
     OpenAI's shapes (our fields beside), a 404 for a model not served, and completions.create(echo=True,
     logprobs=5) giving the model's log-probs of the prompt."""
@@ -472,10 +472,11 @@ def test_openai_clients_list_retrieve_and_score(server, tiny):
         client.models.retrieve("nope")
     assert "'nope' is not served; served: policy, reference" in missing.value.response.json()["detail"]
     seq = [5, 17, 300, 42, 7]
-    completion = client.completions.create(model="policy", prompt=seq, echo=True, logprobs=5, max_tokens=0)
+    # (the reference: the policy's weights are another test's reload)
+    completion = client.completions.create(model="reference", prompt=seq, echo=True, logprobs=5, max_tokens=0)
     logprobs = completion.choices[0].logprobs
     assert logprobs.token_logprobs[0] is None and len(logprobs.top_logprobs[1]) == 5
-    lp, _ = alone(tiny, seq)
+    lp, _ = alone(checkpoint[1], seq)
     np.testing.assert_allclose(np.array(logprobs.token_logprobs[1:], dtype=np.float32), lp, rtol=0, atol=1e-5)
 
 
