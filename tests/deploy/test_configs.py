@@ -49,7 +49,10 @@ def test_serve_file_passes_the_deploy_schema_and_our_settings():
     schema = ServeDeploySchema.model_validate(config)
     (app,) = schema.applications
     assert app.import_path == "ppo_logprobs.service.app:app_builder"
-    settings = Settings(**app.args)  # the args are exactly the gateway's settings
+    # the args are exactly the gateway's settings, once its placeholder key is replaced, as its comment asks
+    with pytest.raises(ValueError, match="the API key is deploy/serve.yaml's placeholder 'CHANGE-ME'"):
+        Settings(**app.args)
+    settings = Settings(**{**app.args, "api_key": "a-real-secret"})
     assert settings.worker_resources == {"logprob_gpu": 1} and settings.pool_name == "ppo_logprobs"
     assert config["proxy_location"] == "EveryNode" and settings.ingress_replicas > 1
     assert callable(app_builder)
