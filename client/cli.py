@@ -161,32 +161,45 @@ def bench(args: argparse.Namespace) -> None:
     _write(sys.stdout, json.dumps(figures) + "\n")
 
 
+class _Defaults(argparse.HelpFormatter):
+    """--help gives each option's default, unless it has none or its help names it already."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ppo-logprobs", description="Per-token log-probs and entropies for PPO.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start the gateway and its workers (flags: serve --help)", add_help=False)
 
     # (no abbreviated flags: `--api-key K` would be taken as --api-key-file)
-    p = sub.add_parser("score", help="score a JSONL file of sequences through a running service", allow_abbrev=False)
+    shown = _Defaults
+    p = sub.add_parser("score", help="score a JSONL file of sequences through a running service", allow_abbrev=False,
+                       formatter_class=shown)
     p.add_argument("input", help='JSONL, one {"input_ids": [...], "score_from": k} per line (score_from optional)')
     p.add_argument("-o", "--output", required=True, help="JSONL results, one per input line; resumed if present")
     p.add_argument("--model", help="served model name (default: the service's first)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--no-entropy", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0, help="the logits are divided by it")
+    p.add_argument("--no-entropy", action="store_true", help="leave the entropies out of the results")
     p.add_argument("--top-k", type=int, default=0, metavar="K",
                    help="also each entry's K most likely tokens (top_log_probs, top_ids) and the tail's log-prob")
     p.add_argument("--batch-sequences", type=int, default=256, help="sequences per call (and per flush)")
 
     b = sub.add_parser("bench", help="throughput of a running service: random requests from concurrent clients",
-                       allow_abbrev=False)
-    b.add_argument("--model")
-    b.add_argument("--requests", type=int, default=200)
-    b.add_argument("--clients", type=int, default=16)
+                       allow_abbrev=False, formatter_class=shown)
+    b.add_argument("--model", help="served model name (default: the service's first)")
+    b.add_argument("--requests", type=int, default=200, help="requests in all")
+    b.add_argument("--clients", type=int, default=16, help="requests in flight at once")
     b.add_argument("--sequences", type=int, default=4, help="per request")
-    b.add_argument("--min-len", type=int, default=64)
-    b.add_argument("--max-len", type=int, default=512)
+    b.add_argument("--min-len", type=int, default=64, help="tokens of the shortest sequence")
+    b.add_argument("--max-len", type=int, default=512, help="tokens of the longest sequence")
     for q in (p, b):
-        q.add_argument("--url", default=os.environ.get("PPO_LOGPROBS_URL", "http://127.0.0.1:8000"))
+        q.add_argument("--url", default=os.environ.get("PPO_LOGPROBS_URL", "http://127.0.0.1:8000"),
+                       help="the service (or $PPO_LOGPROBS_URL)")
         q.add_argument("--api-key-file", help="a file holding the service's API key (default: $PPO_LOGPROBS_API_KEY)")
 
     argv = sys.argv[1:] if argv is None else argv
