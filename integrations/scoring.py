@@ -74,11 +74,6 @@ class Rows:
             out[b, self.columns[b]] = v
         return torch.from_numpy(out).to(device=device, dtype=dtype)
 
-    def entries(self, padded: torch.Tensor) -> list[list[float]]:
-        """The inverse of `place` for a [rows, width] tensor of per-entry values (e.g. rollout log-probs)."""
-        values = padded.detach().float().cpu().numpy()
-        return [values[b, self.columns[b]].tolist() for b in self.sent]
-
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> Rows:
     """Rows of `input_ids` [B, L] with the positions where `attention_mask` is 0 taken out, the last `width`

@@ -10,7 +10,8 @@ at its own weights. The loss, masks and metrics are TRL's own; only where the lo
 `reference` (and `old_policy`) take what `scoring.Service` takes: a URL, a `LogProbClient`, a `WorkerPool` or a
 pool's name. A batch's completions go to the service in one call, so the G completions of a prompt share its
 forward (the service finds the common prompt). When the rollouts came with the engine's log-probs (TRL's vLLM
-modes), they go along, and the trainer logs the service's k3 KL to them as `ppo_logprobs/rollout_kl_k3`.
+modes), they go along with the old-policy call, and the trainer logs the service's k3 KL to them as
+`ppo_logprobs/rollout_kl_k3`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ class ServiceScoring:
         if given:
             raise NotImplementedError(f"the service scores text only; this batch has {', '.join(given)}")
         rows = unpad(input_ids, attention_mask, logits_to_keep)
-        results = score_rows(service, rows, self.temperature, compute_entropy, self._rollout_for(rows))
+        # the rollout's log-probs go with the policy's scoring only: against the reference they measure the
+        # policy's drift, not the mismatch between engines
+        rollout = self._rollout_for(rows) if service is self.old_policy else None
+        results = score_rows(service, rows, self.temperature, compute_entropy, rollout)
         if service is self.old_policy and self.policy_version is not None:
             versions = sorted({r.weights_version for r in results})
             if versions != [self.policy_version]:

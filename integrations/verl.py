@@ -12,8 +12,9 @@ reference worker, a TensorDict without padding (nested `input_ids`, the padded `
 `temperature`), and answers as verl's own does: a nested `log_probs` over every position, entry t being the
 log-probability of token t + 1 (the trainer cuts the response out). A `DataProto` in verl's padded layout
 (left-padded prompts, right-padded responses, `meta_info["temperature"]`) gets `ref_log_prob` [batch, response]
-float32 back, 0 at padding, as verl's padded workers give it. Rollout log-probs in the batch (`rollout_log_probs`)
-go along, for the service's mismatch telemetry.
+float32 back, 0 at padding, as verl's padded workers give it. The batch's rollout log-probs stay out of it: against
+the reference they would measure the policy's drift, not the mismatch between engines (verl's own debug metrics
+compare them with the actor's old log-probs).
 """
 
 from __future__ import annotations
@@ -55,11 +56,7 @@ def score_unpadded(service: Service, data: TensorDict) -> TensorDict:
     entropy = bool(tu.get(data, "calculate_entropy", default=False))
     rows = Rows(seqs, starts, [], [b for b, (s, p) in enumerate(zip(seqs, starts, strict=True)) if len(s) > p],
                 (len(seqs), 0))
-    rollout = None
-    if "rollout_log_probs" in data.keys():  # [batch, response], right-padded
-        given = data["rollout_log_probs"].float()
-        rollout = [given[b, : len(seqs[b]) - starts[b]].tolist() for b in rows.sent]
-    results = score_rows(service, rows, _temperatures(tu.get(data, "temperature")), entropy, rollout)
+    results = score_rows(service, rows, _temperatures(tu.get(data, "temperature")), entropy)
     sent = rows.sent
     out = {"log_probs": _nested(seqs, starts, sent, [r.log_probs for r in results])}
     if entropy:
@@ -81,8 +78,7 @@ def score_padded(service: Service, data: DataProto, key: str = "ref_log_prob") -
     width = batch["responses"].shape[1]
     rows = unpad(batch["input_ids"], batch["attention_mask"], width)
     entropy = bool(data.meta_info.get("calculate_entropy", False))
-    rollout = rows.entries(batch["rollout_log_probs"]) if "rollout_log_probs" in batch.keys() else None
-    results = score_rows(service, rows, _temperatures(data.meta_info.get("temperature")), entropy, rollout)
+    results = score_rows(service, rows, _temperatures(data.meta_info.get("temperature")), entropy)
     out = {key: rows.place([r.log_probs for r in results], dtype=torch.float32, device="cpu")}
     if entropy:
         out["entropys"] = rows.place([r.entropy for r in results], dtype=torch.float32, device="cpu")

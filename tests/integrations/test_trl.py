@@ -108,21 +108,26 @@ def test_the_reference_log_probs_are_trls_own(service, checkpoint, tmp_path):
             torch.testing.assert_close(entropy, own, atol=1e-5, rtol=0)
 
 
-def test_rollout_log_probs_go_along_and_their_kl_is_logged(service, checkpoint, tmp_path):
-    url, _ = service
-    ours = trainer(GRPOTrainer, checkpoint, config(tmp_path), reference=url, reference_model="reference")
+def test_rollout_log_probs_go_with_the_old_policys_call_and_their_kl_is_logged(service, checkpoint, tmp_path):
+    """The engine's log-probs of a rollout go with the policy's scoring (not the reference's: there they would
+    measure the policy's drift), and the service's k3 KL to them is a trainer metric."""
+    url, policy = service
+    ours = trainer(GRPOTrainer, checkpoint, config(tmp_path), reference=url, reference_model="reference",
+                   old_policy=policy)
     ids, mask = batch(2, 3, seed=7)
     ours.model.train()  # (as in a training step: the metrics go to "train")
     with torch.no_grad():
-        exact, _, _ = ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, 10)
+        exact, _, _ = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 10)  # (the pool's)
         keep = mask[:, -10:] == 1
         ours.rollout_log_probs = [row[k].tolist() for row, k in zip(exact - 0.1, keep, strict=True)]
         ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, 10)
+        assert "ppo_logprobs/rollout_kl_k3" not in ours._metrics["train"]
+        ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 10)
     (kl,) = ours._metrics["train"]["ppo_logprobs/rollout_kl_k3"]
     assert kl == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-3)  # every token 0.1 off: k3 = e^d - d - 1
     ours.rollout_log_probs = [[0.0]]  # another batch's: not passed
     with torch.no_grad():
-        ours._get_per_token_logps_and_entropies(ours.ref_model, ids, mask, 10)
+        ours._get_per_token_logps_and_entropies(ours.model, ids, mask, 10)
     assert len(ours._metrics["train"]["ppo_logprobs/rollout_kl_k3"]) == 1
 
 

@@ -120,18 +120,6 @@ def test_both_layouts_give_verls_own_numbers_and_the_pools(pool, hf, groups, siz
         np.testing.assert_array_equal(entropy[i, :k].numpy(), r.entropy)
 
 
-def test_rollout_log_probs_go_along(pool):
-    b = batch(2, 2, seed=5, prompt_padding="left")
-    service = Service(pool)
-    first = score_padded(service, DataProto.from_dict(tensors=b)).batch["ref_log_prob"]
-    # rollout log-probs (the rollout's own, padded like the responses) are checked against the entries' count
-    out = score_padded(service, DataProto.from_dict(tensors={**b, "rollout_log_probs": first - 0.1}))
-    torch.testing.assert_close(out.batch["ref_log_prob"], first, atol=0, rtol=0)
-    td = left_right_2_no_padding(DataProto.from_dict(tensors={**b, "rollout_log_probs": first - 0.1}).to_tensordict())
-    torch.testing.assert_close(no_padding_2_padding(tu.get(score_unpadded(service, td), "log_probs"), td), first,
-                               atol=0, rtol=0)
-
-
 def test_verls_worker_group_builds_the_worker_and_splits_a_batch_over_its_ranks(pool):
     """As verl's RayPPOTrainer.init_workers builds the RefPolicy role of its role mapping: the class with its init
     arguments, fused by create_colocated_worker_cls, a RayWorkerGroup over a resource pool (two CPU processes
