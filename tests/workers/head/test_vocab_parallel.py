@@ -100,6 +100,9 @@ def check(rank, backend, dtype, softcap, ignore_index, device="cpu"):
 def run(rank, port, cases):
     if any("cuda" in case for case in cases):
         torch.cuda.set_device(0)
+    # one thread a rank: a CPU BLAS that splits a product over threads may split it otherwise when the machine is
+    # loaded, and the bits of a sub-batch then move (seen once, with another test run beside this one)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         for case in cases:
