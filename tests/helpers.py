@@ -56,6 +56,17 @@ def save(model, path, **kw) -> str:
     return str(path)
 
 
+def example(name: str):
+    """examples/<name>.py imported as a module, as a user runs the file (its main() takes the argv)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,24 +1,14 @@
 """examples/ppo_loop.py run as users run it, on the tiny model (CPU): a real PPO loop whose old-policy
 log-probs come from the service and whose new ones from the trainer's forward with gradients."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "ppo_loop.py"
-
-
-def example():
-    spec = importlib.util.spec_from_file_location("ppo_loop", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from ..helpers import example
 
 
 @pytest.mark.parametrize("http", [False, True], ids=["pool", "http"])
 def test_the_first_ratio_of_every_step_is_exactly_one_and_training_moves(http):
-    result = example().main(["--steps", "2", *(["--http"] if http else [])])
+    result = example("ppo_loop").main(["--steps", "2", *(["--http"] if http else [])])
     steps = result["steps"]
     assert [s["version"] for s in steps] == [1, 2]  # each step's weights reached the pool (and were scored next)
     for s in steps:
