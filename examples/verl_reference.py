@@ -29,7 +29,8 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.utils.torch_functional import logprobs_from_logits
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from ppo_logprobs.integrations.verl import reference_worker
+from ppo_logprobs.integrations.scoring import Service
+from ppo_logprobs.integrations.verl import reference_worker, score_unpadded
 from ppo_logprobs.workers import WorkerPool
 
 
@@ -86,13 +87,13 @@ def main(argv: list[str] | None = None) -> dict:
                                     device_name="cpu")
     ref = group_of_ranks.spawn(prefix_set=classes.keys())[str(Role.RefPolicy)]
     ref.init_model()
-    times = {"service": [], "verl": [], "pool": []}
+    times = {"service": [], "verl": [], "pool": [], "adapter": []}
     pool = WorkerPool.connect("verl-example-ref")
     worst = 0.0
     print(f"model {args.model} on {device}; {prompts} prompts x G={group}, prompts up to {prompt} tokens, responses "
           f"up to {response}; the reference role in {args.ranks} processes", flush=True)
-    for step in range(args.steps):
-        batch = rollouts(prompts, group, prompt, response, hf.config.vocab_size, seed=step)
+    for step in range(-1, args.steps):  # step -1 warms every side up, untimed
+        batch = rollouts(prompts, group, prompt, response, hf.config.vocab_size, seed=step + 1)
         # (verl's trainer makes the no-padding batch for any reference worker: not timed)
         data = left_right_2_no_padding(DataProto.from_dict(tensors=batch).to_tensordict())
         tu.assign_non_tensor(data, temperature=args.temperature, calculate_entropy=False, compute_loss=False)
@@ -105,19 +106,26 @@ def main(argv: list[str] | None = None) -> dict:
         pool.compute_log_probs(seqs, batch["attention_mask"][:, :prompt].sum(1).tolist(), args.temperature, False)
         times["pool"].append(time.perf_counter() - start)
         start = time.perf_counter()
+        score_unpadded(Service(pool), data)  # the adapter without verl's worker group
+        times["adapter"].append(time.perf_counter() - start)
+        start = time.perf_counter()
         own = verls_own(hf, batch, args.temperature, device)
         if cuda:
             torch.cuda.synchronize()
         times["verl"].append(time.perf_counter() - start)
+        if step < 0:
+            times = {k: [] for k in times}
+            continue
         mask = batch["response_mask"].bool()
         worst = max(worst, float((served[mask] - own.cpu()[mask]).abs().max()))
     held = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30
     result = dict(model=args.model, device=str(device), service_s=statistics.median(times["service"]),
-                  pool_s=statistics.median(times["pool"]), verl_s=statistics.median(times["verl"]),
+                  pool_s=statistics.median(times["pool"]), adapter_s=statistics.median(times["adapter"]), verl_s=statistics.median(times["verl"]),
                   max_abs_difference=worst, verl_reference_gib=held)
     print(f"\n{'reference':<32}{'s a batch (median)':>20}{'weights in the trainer GiB':>28}")
     print(f"{'verl (the HF model here)':<32}{result['verl_s']:>20.3f}{held:>28.3f}")
     print(f"{'ppo-logprobs (RefPolicy role)':<32}{result['service_s']:>20.3f}{0:>28.3f}")
+    print(f"{'the adapter, no worker group':<32}{result['adapter_s']:>20.3f}")
     print(f"{'the pool directly, same tokens':<32}{result['pool_s']:>20.3f}")
     print(f"largest |service - verl| over the response tokens: {worst:.2e}")
     ray.shutdown()

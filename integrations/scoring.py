@@ -33,7 +33,7 @@ class Service:
         """The WorkerPool behind this service (weights are sent to a pool), or None over HTTP."""
         return self.target if hasattr(self.target, "compute_log_probs") else None
 
-    def score(self, seqs: list[list[int]], starts: list[int], temperature: float | list[float], entropy: bool,
+    def score(self, seqs: list[np.ndarray] | list[list[int]], starts: list[int], temperature: float | list[float], entropy: bool,
               rollout: list[list[float]] | None = None) -> list:
         """One result per sequence (`.log_probs`, `.entropy`, `.weights_version`, `.mismatch`), one call."""
         if self.pool is not None:
@@ -61,7 +61,7 @@ class Rows:
     """A padded batch's rows as the service takes them: row b is seqs[b], scored from starts[b]; its entries land
     at columns[b] of the last `width` columns (the response). Rows with no response token are not sent (`sent`)."""
 
-    seqs: list[list[int]]
+    seqs: list[np.ndarray]  # int64 token ids
     starts: list[int]
     columns: list[np.ndarray]  # int64 [entries of row b]
     sent: list[int]  # the rows that have entries
@@ -95,7 +95,7 @@ def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> 
         if start == 0:
             raise ValueError(f"row {b} has no prompt token before its response (attention_mask is 0 on all of "
                              f"its first {first} columns)")
-        seqs.append(ids[b, kept].tolist())
+        seqs.append(ids[b, kept])
         starts.append(start)
         columns.append(kept[response] - first)
         if len(kept) > start:

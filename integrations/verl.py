@@ -26,7 +26,7 @@ try:
     from tensordict import TensorDict
     from verl import DataProto
     from verl.single_controller.base import Worker
-    from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+    from verl.single_controller.base.decorator import Dispatch, Execute, register
     from verl.utils import tensordict_utils as tu
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("ppo_logprobs.integrations.verl needs verl: pip install 'ppo-logprobs[verl]'") from e
@@ -49,7 +49,7 @@ def score_unpadded(service: Service, data: TensorDict) -> TensorDict:
     positions but its last and on the sequence's last position."""
     ids = data["input_ids"]
     offsets = ids.offsets().tolist()
-    values = ids.values().tolist()
+    values = ids.values().cpu().numpy()  # (views of one array: the pool takes them with no per-token work)
     seqs = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     prompt_width = data["prompts"].shape[1]
     starts = data["attention_mask"][:, :prompt_width].sum(1).tolist()  # each sequence's prompt tokens
@@ -87,8 +87,9 @@ def score_padded(service: Service, data: DataProto, key: str = "ref_log_prob") -
 
 class ServiceRefWorker(Worker):
     """The worker verl's trainer builds for `Role.RefPolicy`; `reference_worker(service)` makes the class with its
-    service set. Each of its ranks scores its share of a batch through the service (one call), which holds the
-    model: the rank needs no GPU memory of its own."""
+    service set. The service holds the model, so the role needs no GPU memory of its own, and the whole batch goes
+    to rank 0 and to the service in one call: split over the ranks, it would reach the service as one smaller call
+    a rank (each packed alone) after a hop through each."""
 
     service_target = None  # what scoring.Service takes: a URL, a pool's name, a WorkerPool or a LogProbClient
     service_model = "policy"  # the served model's name (HTTP)
@@ -102,10 +103,9 @@ class ServiceRefWorker(Worker):
     def init_model(self) -> None:
         if self.service_target is None:
             raise ValueError("ServiceRefWorker has no service: make its class with reference_worker(service)")
-        self._register_dispatch_collect_info("ref", dp_rank=self.rank, is_collect=True)
         self.service = Service(self.service_target, model=self.service_model, api_key=self.api_key)
 
-    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def compute_ref_log_prob(self, data):
         if isinstance(data, DataProto):
             return score_padded(self.service, data)

@@ -120,7 +120,7 @@ def test_both_layouts_give_verls_own_numbers_and_the_pools(pool, hf, groups, siz
         np.testing.assert_array_equal(entropy[i, :k].numpy(), r.entropy)
 
 
-def test_verls_worker_group_builds_the_worker_and_splits_a_batch_over_its_ranks(pool):
+def test_verls_worker_group_builds_the_worker_and_scores_a_batch_in_one_call(pool):
     """As verl's RayPPOTrainer.init_workers builds the RefPolicy role of its role mapping: the class with its init
     arguments, fused by create_colocated_worker_cls, a RayWorkerGroup over a resource pool (two CPU processes
     here), spawned by role; init_model, then compute_ref_log_prob of the no-padding batch."""
