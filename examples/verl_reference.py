@@ -119,9 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         mask = batch["response_mask"].bool()
         worst = max(worst, float((served[mask] - own.cpu()[mask]).abs().max()))
     held = sum(p.numel() * p.element_size() for p in hf.parameters()) / 2**30
-    result = dict(model=args.model, device=str(device), service_s=statistics.median(times["service"]),
-                  pool_s=statistics.median(times["pool"]), adapter_s=statistics.median(times["adapter"]), verl_s=statistics.median(times["verl"]),
-                  max_abs_difference=worst, verl_reference_gib=held)
+    result = dict(model=args.model, device=str(device), max_abs_difference=worst, verl_reference_gib=held,
+                  **{f"{side}_s": statistics.median(t) for side, t in times.items()})
     print(f"\n{'reference':<32}{'s a batch (median)':>20}{'weights in the trainer GiB':>28}")
     print(f"{'verl (the HF model here)':<32}{result['verl_s']:>20.3f}{held:>28.3f}")
     print(f"{'ppo-logprobs (RefPolicy role)':<32}{result['service_s']:>20.3f}{0:>28.3f}")

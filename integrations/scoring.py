@@ -33,8 +33,8 @@ class Service:
         """The WorkerPool behind this service (weights are sent to a pool), or None over HTTP."""
         return self.target if hasattr(self.target, "compute_log_probs") else None
 
-    def score(self, seqs: list[np.ndarray] | list[list[int]], starts: list[int], temperature: float | list[float], entropy: bool,
-              rollout: list[list[float]] | None = None) -> list:
+    def score(self, seqs: list[np.ndarray] | list[list[int]], starts: list[int], temperature: float | list[float],
+              entropy: bool, rollout: list[list[float]] | None = None) -> list:
         """One result per sequence (`.log_probs`, `.entropy`, `.weights_version`, `.mismatch`), one call."""
         if self.pool is not None:
             return self.pool.compute_log_probs(seqs, starts, temperature, entropy, rollout_log_probs=rollout)

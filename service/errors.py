@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from ppo_logprobs.workers.errors import ServiceError, Transient, cause, clip
+from ppo_logprobs.workers.errors import Overloaded, ServiceError, Transient, cause, clip
 
 log = logging.getLogger("ppo_logprobs.service")
 
@@ -29,16 +29,6 @@ class NonFiniteResults(ServiceError, RuntimeError):
 
 class WorkersTimedOut(Transient, RuntimeError):
     """A worker call outlived request_timeout_s."""
-
-
-class Overloaded(Transient):
-    """The model's queue is full; the client should retry after `retry_after` seconds."""
-
-    status = 429
-
-    def __init__(self, retry_after: float) -> None:
-        super().__init__(f"overloaded: retry after {retry_after:.0f} s")
-        self.retry_after = retry_after
 
 
 def one_line(text: str, limit: int = 300) -> str:

@@ -88,6 +88,17 @@ class WorkerLost(Transient, RuntimeError):
     """A worker died more often than a call re-sent its share (Ray restarts it)."""
 
 
+class Overloaded(Transient):
+    """A queue is full (a worker's line, or an ingress replica's); the caller should retry after `retry_after`
+    seconds."""
+
+    status = 429
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"overloaded: retry after {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
 class WeightsChanged(Transient, RuntimeError):
     """The weights changed under a call more often than it re-asked."""
 

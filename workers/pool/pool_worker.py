@@ -13,10 +13,14 @@ import time
 import ray
 
 from ..request import ScoreRequest, ScoreResult
+from .owner import HEALTH, SCORING, SCORING_THREADS, STAGING
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 KEPT_WAIT_S = 600.0  # how long rank 0 of a tensor-parallel worker waits for the other ranks' local copies
+STEP_FORWARDS = 4  # a scheduler step holds up to this many forwards' tokens (max_tokens_per_batch each), counted
+# before shared prompts are taken out: a GRPO group computes well under its length
 
 
 class PoolWorker:
@@ -27,7 +31,11 @@ class PoolWorker:
 
     Its remote methods are listed here, each handing the call to the part that answers it: the RankGroup where
     there is one, else the LogProbWorker (scoring) or its WeightsHolder (updates). The staging calls return the
-    name of a staged tensor that is not finite when asked to check (see WeightsHolder)."""
+    name of a staged tensor that is not finite when asked to check (see WeightsHolder).
+
+    Scoring calls from every caller wait in this worker's line (`scheduler`), which forms each step from what is
+    waiting; a commit runs between two steps. A tensor-parallel worker's other ranks take rank 0's steps as they
+    come (their calls come from rank 0 alone)."""
 
     scorer = None  # the class of `worker`: LogProbWorker, unless a test's (which may fail on purpose)
 
@@ -52,12 +60,23 @@ class PoolWorker:
                                group_timeout_s or GROUP_TIMEOUT_S) if size > 1 else None
         self._scoring = self.ranks or self.worker  # who answers scoring calls
         self._weights = self.ranks or self.worker.weights  # and weight calls
+        self.scheduler = Scheduler(self._scoring.score_request,
+                                   step_tokens=STEP_FORWARDS * self.worker.max_tokens_per_batch,
+                                   min_shared_prefix=self.worker.min_shared_prefix) if rank == 0 else None
 
+    @ray.method(concurrency_group=SCORING)
     def score_request(self, request: ScoreRequest) -> ScoreResult:
-        return self._scoring.score_request(request)
+        if self.scheduler is None:
+            return self._scoring.score_request(request)
+        return self.scheduler.submit(request)[0]
 
     def info(self) -> dict:
-        return self._scoring.info()
+        info = self._scoring.info()
+        if self.scheduler is not None:  # its line: what waits, and the steps run
+            line = self.scheduler.line
+            info.update(queued_requests=len(line), queued_tokens=self.scheduler.queued_tokens(), steps=line.steps,
+                        requests=line.added)
+        return info
 
     health = info
 
@@ -86,7 +105,9 @@ class PoolWorker:
         self._weights.release_shared(key)
 
     def commit(self, version: int) -> int:
-        return self._weights.commit(version)
+        if self.scheduler is None:
+            return self._weights.commit(version)
+        return self.scheduler.between(lambda: self._weights.commit(version))
 
     def abort(self, version: int) -> None:
         self._weights.abort(version)
@@ -134,3 +155,9 @@ class PoolWorker:
             threading.Thread(target=tell, daemon=True).start()
         else:
             tell()
+
+
+def actor_class(cls: type = PoolWorker):
+    """The Ray actor class of `cls` (PoolWorker, or a test's subclass): updates stage, and health checks answer,
+    beside scoring; the callers' scoring calls wait in the worker's line, each on a thread of its own."""
+    return ray.remote(concurrency_groups={STAGING: 1, HEALTH: 1, SCORING: SCORING_THREADS})(cls)

@@ -37,7 +37,7 @@ from ..request import (
     with_mismatch,
 )
 from ..sharding import check_shardable
-from .owner import HEALTH, NAMESPACE, STAGING, WeightOwner, actors
+from .owner import HEALTH, NAMESPACE, WeightOwner, actors
 
 if TYPE_CHECKING:
     import torch
@@ -90,56 +90,66 @@ def shares_of(request: ScoreRequest, num_shares: int, min_shared_prefix: int | N
     return [np.sort(np.concatenate([units[u][0] for u in share] or [np.zeros(0, np.int64)])) for share in shares]
 
 
-async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_prefix: int | None = None
-                        ) -> ScoreResult:
+async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_prefix: int | None = None,
+                        load: list[int] | None = None) -> ScoreResult:
     """Dispatches shares to the actors and awaits them (from any event loop), all of one weights version: a dead
     actor's share goes to the next, a restarted actor without weights is restored by the owner first, and shares
     answered with an older version than the newest seen (an update landing mid-call) are asked again. Sequences
-    that share a prefix (at least `min_shared_prefix` tokens, the workers') go to one actor."""
+    that share a prefix (at least `min_shared_prefix` tokens, the workers') go to one actor. `load`: the tokens
+    this caller has in flight at each actor, kept up to date here; the largest share goes to the least loaded (a
+    request smaller than a share of each goes whole to one)."""
     pending: dict[asyncio.Future, tuple[np.ndarray, int, int]] = {}
+    load = load if load is not None and len(load) == len(workers) else [0] * len(workers)
 
     def submit(share: np.ndarray, worker: int, attempt: int) -> None:
         ref = workers[worker].score_request.remote(request.select(share))
         pending[asyncio.wrap_future(ref.future())] = (share, worker, attempt)
+        load[worker] += int(request.lengths[share].sum())
 
-    for w, share in enumerate(shares_of(request, len(workers), min_shared_prefix)):
+    shares = sorted(shares_of(request, len(workers), min_shared_prefix), key=len, reverse=True)
+    for w, share in zip(sorted(range(len(workers)), key=load.__getitem__), shares, strict=True):
         if share.size:
             submit(share, w, 1)
-    done: list[tuple[np.ndarray, int, int, ScoreResult]] = []
-    while pending:
-        finished, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
-        for future in finished:
-            share, w, attempt = pending.pop(future)
-            try:
-                result = future.result()
-            except RayActorError as e:
-                if attempt >= _ATTEMPTS:
-                    raise WorkerLost(f"a worker died {attempt} times holding {len(share)} sequences") from e
-                log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
-                submit(share, (w + 1) % len(workers), attempt + 1)
-                continue
-            except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
-                if attempt >= _ATTEMPTS:
-                    raise
+    try:
+        done: list[tuple[np.ndarray, int, int, ScoreResult]] = []
+        while pending:
+            finished, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
+            for future in finished:
+                share, w, attempt = pending.pop(future)
+                load[w] -= int(request.lengths[share].sum())
                 try:
-                    await owner.restore.remote(w)
+                    result = future.result()
+                except RayActorError as e:
+                    if attempt >= _ATTEMPTS:
+                        raise WorkerLost(f"a worker died {attempt} times holding {len(share)} sequences") from e
+                    log.warning("worker %d died (%s); sending its %d sequences again", w, type(e).__name__, len(share))
+                    submit(share, (w + 1) % len(workers), attempt + 1)
+                    continue
+                except WeightsUnavailable:  # restarted without its weights: restore it, then ask it again
+                    if attempt >= _ATTEMPTS:
+                        raise
+                    try:
+                        await owner.restore.remote(w)
+                    except Exception as e:
+                        raise cause(e) from None
+                    submit(share, w, attempt + 1)
+                    continue
                 except Exception as e:
                     raise cause(e) from None
-                submit(share, w, attempt + 1)
-                continue
-            except Exception as e:
-                raise cause(e) from None
-            done.append((share, w, attempt, result))
-        if not pending:
-            late = set(stale_parts([r.weights_version for *_, r in done]))
-            stale = [d for i, d in enumerate(done) if i in late]
-            if stale and max(d[2] for d in stale) > VERSION_ATTEMPTS:
-                raise WeightsChanged(f"the weights changed during the call {VERSION_ATTEMPTS} times; retry")
-            done = [d for i, d in enumerate(done) if i not in late]
-            for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
-                await asyncio.sleep(0.01 * attempt)
-                submit(share, w, attempt + 1)
-    return ScoreResult.merge([(share, r) for share, _, _, r in done], len(request), request.return_entropy)
+                done.append((share, w, attempt, result))
+            if not pending:
+                late = set(stale_parts([r.weights_version for *_, r in done]))
+                stale = [d for i, d in enumerate(done) if i in late]
+                if stale and max(d[2] for d in stale) > VERSION_ATTEMPTS:
+                    raise WeightsChanged(f"the weights changed during the call {VERSION_ATTEMPTS} times; retry")
+                done = [d for i, d in enumerate(done) if i not in late]
+                for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
+                    await asyncio.sleep(0.01 * attempt)
+                    submit(share, w, attempt + 1)
+        return ScoreResult.merge([(share, r) for share, _, _, r in done], len(request), request.return_entropy)
+    finally:  # (a call that failed leaves no load behind)
+        for share, w, _ in pending.values():
+            load[w] -= int(request.lengths[share].sum())
 
 
 def _run(coroutine):
@@ -171,6 +181,7 @@ class WorkerPool:
         self.ranks = info.get("ranks", 1)  # per worker (tensor parallelism)
         self._placements = list(placements)
         self._ranks: list = []
+        self._load = [0] * len(workers)  # tokens this handle has in flight at each worker (score_on_pool)
 
     @classmethod
     def create(
@@ -235,10 +246,9 @@ class WorkerPool:
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
         ).remote(key, model)
-        from .pool_worker import PoolWorker  # (here: a process that only holds handles imports no torch)
+        from .pool_worker import actor_class  # (here: a process that only holds handles imports no torch)
 
-        # updates stage, and health checks answer, beside scoring
-        actor = ray.remote(concurrency_groups={STAGING: 1, HEALTH: 1})(PoolWorker)
+        actor = actor_class()
 
         ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
 
@@ -302,7 +312,7 @@ class WorkerPool:
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request from an event loop (the gateway's path: two Ray hops, no task between)."""
-        return await score_on_pool(self.owner, self.workers, request, self.min_shared_prefix)
+        return await score_on_pool(self.owner, self.workers, request, self.min_shared_prefix, self._load)
 
     def compute_log_probs(
         self,
@@ -324,7 +334,7 @@ class WorkerPool:
         |delta|, the k3 estimate of KL(rollout || ours), the share of ratios outside `ratio_bounds`)."""
         request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
         rollout = None if rollout_log_probs is None else rollout_values(rollout_log_probs, request)
-        result = _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix))
+        result = _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix, self._load))
         sequences = result.sequences(request.candidate_counts())
         if rollout is None:
             return sequences

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group_table
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool, load_model
 from ppo_logprobs.workers.errors import IncompatibleWeights, TooLarge, WeightsUnavailable, get
-from ppo_logprobs.workers.pool.pool_worker import PoolWorker
+from ppo_logprobs.workers.pool.pool_worker import PoolWorker, actor_class
 from ppo_logprobs.workers.request import ScoreRequest
 from ppo_logprobs.workers.sharding import held_shard
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint
@@ -171,7 +171,7 @@ def test_a_forward_one_rank_cannot_fit_is_split_by_every_rank(cluster):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (the test's actor class travels by value)
     options = dict(max_tokens_per_batch=160, size=2, backend="torch", group_timeout_s=5.0)
     name = f"oom-{uuid.uuid4().hex[:8]}:rank:1"
-    actor = ray.remote(OutOfMemoryActor)
+    actor = actor_class(OutOfMemoryActor)
     follower = actor.options(num_cpus=1, name=name, namespace="ppo_logprobs").remote("tiny", rank=1, **options)
     leader = actor.options(num_cpus=1).remote("tiny", rank=0, followers=[name], **options)
     try:

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -89,6 +90,38 @@ def test_async_returns_an_object_ref(pool, model):
     assert all(r.entropy is None for r in results)
     for seq, r in zip(seqs, results, strict=True):
         np.testing.assert_allclose(r.log_probs, alone(model, seq)[0], rtol=0, atol=1e-5)
+
+
+def test_small_callers_beside_a_huge_call_ride_in_its_steps_and_are_answered_first(pool, model):
+    """Twelve callers on threads of their own send small requests while a call of ~100k tokens is being scored:
+    each gets its own answers, all of them before the huge call ends (a request waits in a worker's line for about
+    one step, not for the calls ahead of it), and the workers merge them into the steps they run anyway."""
+    huge = random_sequences(600, seed=20, lo=100, hi=250)
+    small = [random_sequences(2, seed=30 + i, hi=40) for i in range(12)]
+
+    def steps_and_requests():
+        health = pool.health()
+        return sum(h["steps"] for h in health), sum(h["requests"] for h in health)
+
+    steps, requests = steps_and_requests()
+    alone_results = pool.compute_log_probs(huge)
+    alone_steps = steps_and_requests()[0] - steps
+    steps, requests = steps_and_requests()
+    big = pool.compute_log_probs_async(huge)
+    for worker in pool.workers:
+        scoring_now(worker)
+    with ThreadPoolExecutor(len(small)) as callers:
+        answers = list(callers.map(pool.compute_log_probs, small))
+    assert not ray.wait([big], timeout=0)[0]  # every small answer came while the huge call was under way
+    for seqs, results in zip(small, answers, strict=True):
+        assert_matches(results, seqs, model)
+    for got, want in zip(ray.get(big, timeout=300), alone_results, strict=True):  # (CPU: within rounding)
+        np.testing.assert_allclose(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got.entropy, want.entropy, rtol=0, atol=1e-5)
+    now_steps, now_requests = steps_and_requests()
+    small_requests = now_requests - requests - len(pool.workers)  # (the huge call's share at each worker)
+    assert small_requests >= len(small)
+    assert now_steps - steps - alone_steps <= small_requests // 3  # not a step of their own each
 
 
 def test_update_weights_then_an_actor_killed_mid_call(pool):

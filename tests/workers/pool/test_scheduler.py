@@ -1,0 +1,159 @@
+"""A worker's scheduler alone (threads, no Ray): a scorer in this process answers each step with its sequences'
+own tokens as "log-probs", so every answer shows where it came from. Callers on many threads merged into steps and
+each answered with its own tokens, in order; a huge request beside small ones; the line's limits; a commit between
+steps and a request cut across it; a failure reaching only the request it belongs to."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from ppo_logprobs.workers.errors import Overloaded, TooLarge
+from ppo_logprobs.workers.pool.scheduler import Scheduler
+from ppo_logprobs.workers.request import ScoreRequest, ScoreResult, ragged_index
+
+POISON = 999  # a token the scorer refuses (as a worker refuses a sequence too large for its memory)
+
+
+class Scorer:
+    """One step at a time, as the worker's forward runs: `gate` (when set) holds each step until it is set;
+    `version` is the weights version it answers with; a sequence holding POISON fails its step."""
+
+    def __init__(self) -> None:
+        self.steps: list[ScoreRequest] = []
+        self.version = 0
+        self.gate: threading.Event | None = None
+        self.entered = threading.Semaphore(0)  # released as each step begins
+
+    def __call__(self, request: ScoreRequest) -> ScoreResult:
+        self.steps.append(request)
+        self.entered.release()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        if (request.tokens == POISON).any():
+            raise TooLarge("a sequence does not fit")
+        tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, request.scored)]
+        return ScoreResult(tokens.astype(np.float32), None, request.result_offsets(), self.version)
+
+
+def request(seqs, starts=1) -> ScoreRequest:
+    return ScoreRequest.build(seqs, starts, vocab_size=1000, max_length=4096, return_entropy=False)
+
+
+def sequences(n, length, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, POISON, size=length).tolist() for _ in range(n)]
+
+
+def check(result: ScoreResult, seqs, starts=1) -> None:
+    assert len(result) == len(seqs)
+    for got, seq in zip(result.sequences(), seqs, strict=True):
+        assert got.log_probs.tolist() == seq[starts:]
+
+
+def test_many_callers_are_merged_into_steps_and_each_gets_its_own_answer_in_order():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=8192)
+    asks = [sequences(1 + i % 5, 10 + i, seed=i) for i in range(48)]  # 5,268 tokens
+    with ThreadPoolExecutor(48) as callers:
+        futures = [callers.submit(scheduler.submit, request(seqs)) for seqs in asks]
+        assert scorer.entered.acquire(timeout=30)  # the first step runs, alone; the others wait in the line
+        while len(scheduler.line) < 47:
+            threading.Event().wait(0.01)
+        scorer.gate.set()
+        answers = [f.result(timeout=30) for f in futures]
+    for (result, waited), seqs in zip(answers, asks, strict=True):
+        check(result, seqs)
+        assert waited <= 1
+    assert len(scorer.steps) == 2  # the first caller's step, then everyone else's in one
+    assert scheduler.line.queued_tokens() == 0 and not scheduler.line.waiting
+
+
+def test_a_huge_request_does_not_hold_back_a_small_one_by_more_than_a_step():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=1000)
+    huge, small = sequences(100, 100, seed=1), sequences(2, 30, seed=2)  # 10 steps, and a part of one
+    with ThreadPoolExecutor(2) as callers:
+        big = callers.submit(scheduler.submit, request(huge))
+        assert scorer.entered.acquire(timeout=30)  # the huge one's first step is running
+        little = callers.submit(scheduler.submit, request(small))
+        while len(scheduler.line) < 2:
+            threading.Event().wait(0.01)
+        scorer.gate.set()
+        result, waited = little.result(timeout=30)
+        assert not big.done() or big.result()[1] == 0  # (the small one's answer came within the huge one's steps)
+        check(result, small)
+        check(big.result(timeout=30)[0], huge)
+    assert waited == 0  # no step began between its coming and its first part: the one under way, then its own
+    firsts = [int(s.offsets[-1]) for s in scorer.steps]
+    assert max(firsts) <= 1000 and len(scorer.steps) == 11  # the small one joined the second step's room
+
+
+def test_a_full_line_refuses_at_once_and_the_worker_goes_on():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=100, max_requests=3, max_tokens=500)
+    with ThreadPoolExecutor(4) as callers:
+        first = callers.submit(scheduler.submit, request(sequences(1, 50, seed=0)))
+        assert scorer.entered.acquire(timeout=30)
+        waiting = [callers.submit(scheduler.submit, request(sequences(1, 50, seed=s))) for s in (1, 2)]
+        while len(scheduler.line) < 2:
+            threading.Event().wait(0.01)
+        with pytest.raises(Overloaded) as refused:  # too many tokens waiting: 100 + 450 > 500
+            scheduler.submit(request(sequences(1, 450, seed=3)))
+        assert refused.value.status == 429 and refused.value.retry_after > 0
+        third = callers.submit(scheduler.submit, request(sequences(1, 50, seed=4)))
+        while len(scheduler.line) < 3:
+            threading.Event().wait(0.01)
+        with pytest.raises(Overloaded):  # too many requests waiting
+            scheduler.submit(request(sequences(1, 5, seed=5)))
+        scorer.gate.set()
+        for f, s in zip([first, *waiting, third], (0, 1, 2, 4), strict=True):
+            check(f.result(timeout=30)[0], sequences(1, 50, seed=s))
+
+
+def test_a_commit_waits_for_the_step_in_flight_never_for_the_line_and_a_cut_request_gets_one_version():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=1000)
+    seqs = sequences(30, 100, seed=7)  # three steps
+    with ThreadPoolExecutor(2) as callers:
+        answer = callers.submit(scheduler.submit, request(seqs))
+        assert scorer.entered.acquire(timeout=30)  # step 1 of 3 runs at version 0
+
+        def commit():
+            scorer.version = 1
+            return len(scorer.steps)
+
+        committed = callers.submit(scheduler.between, commit)
+        threading.Event().wait(0.05)
+        assert not committed.done()  # the step in flight ends first
+        scorer.gate.set()
+        assert committed.result(timeout=30) == 1  # and then the commit, before the line's next step
+        result, _ = answer.result(timeout=30)
+    check(result, seqs)
+    assert result.weights_version == 1
+    assert len(scorer.steps) == 4  # the part answered at version 0 was scored again at version 1
+
+
+def test_a_failing_sequence_fails_only_its_own_request():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=4096)
+    good, bad = sequences(3, 20, seed=1), sequences(2, 20, seed=2)
+    bad[1][5] = POISON
+    with ThreadPoolExecutor(3) as callers:
+        first = callers.submit(scheduler.submit, request(sequences(1, 20, seed=0)))
+        assert scorer.entered.acquire(timeout=30)
+        answers = [callers.submit(scheduler.submit, request(s)) for s in (good, bad)]
+        while len(scheduler.line) < 2:
+            threading.Event().wait(0.01)
+        scorer.gate.set()
+        first.result(timeout=30)
+        check(answers[0].result(timeout=30)[0], good)
+        with pytest.raises(TooLarge):
+            answers[1].result(timeout=30)
+    assert scheduler.line.queued_tokens() == 0 and not scheduler.line.waiting

@@ -1,0 +1,247 @@
+"""A worker's scheduler: every caller's requests (each ingress replica's, each trainer's through its WorkerPool)
+wait in one line at the worker, and each forward step is formed from what is waiting when the last one ends: up
+to `step_tokens` tokens from the waiting requests in turn. A request larger than a step is cut and its parts
+interleave with the others (one that still has sequences left goes to the back of the line), so a request waits
+about one step before its first part runs, however large the requests ahead of it. Results do not depend on
+what shares a forward (the model's forward is batch-invariant), so merging any waiting requests costs nothing.
+
+Weights change between steps (`between`), never during one: each step's answer is of one version, and a request
+whose parts came back with different versions has its older parts scored again (VERSION_ATTEMPTS times at most).
+A full line refuses more (Overloaded: a 429 over HTTP) and is the queue a caller's backpressure sees.
+
+`Line` is the line itself (no threads): the Scheduler drives it from its own thread in the worker actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import Overloaded, WeightsChanged
+from ..prefixes import neighbour_groups
+from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    request: ScoreRequest
+    future: Future  # (or an asyncio.Future, set from its loop)
+    queued_at: int  # steps started when it was queued
+    groups: np.ndarray  # where each sequence's run of neighbours sharing a prompt begins
+    todo: deque = field(default_factory=deque)  # (lo, hi) ranges of its sequences not yet sent
+    parts: list = field(default_factory=list)  # (lo, hi, ScoreResult) received
+    steps_waited: int | None = None  # steps started after it was queued and before its first
+    attempts: int = 1
+
+
+class Line:
+    """Waiting requests, served in turn in steps of up to `step_tokens` tokens. `min_shared_prefix`: the worker's
+    (a cut falls between the sequences of a shared prompt, not inside their run)."""
+
+    def __init__(self, step_tokens: int, min_shared_prefix: int | None = None) -> None:
+        self.step_tokens = step_tokens
+        self.min_shared_prefix = min_shared_prefix
+        self.waiting: deque[_Waiting] = deque()
+        self.steps = 0  # started so far
+        self.added = 0  # requests so far
+        self.stepped_tokens = 0  # in the steps answered
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, request: ScoreRequest, future) -> _Waiting:
+        item = _Waiting(request, future, self.steps, neighbour_groups(request, self.min_shared_prefix))
+        item.todo.append((0, len(request)))
+        self.waiting.append(item)
+        self.added += 1
+        return item
+
+    def queued_tokens(self) -> int:
+        return sum(int(w.request.offsets[hi] - w.request.offsets[lo]) for w in self.waiting for lo, hi in w.todo)
+
+    def take(self) -> list[tuple[_Waiting, int, int]]:
+        """The next step: up to step_tokens tokens from the waiting requests in turn, all asking for one top_k (a
+        tail's mass depends on its k). Requests not yet begun come first, in up to half the room while begun ones
+        wait (so a request that comes while a huge one is under way runs in the next step, and the huge one still
+        goes on); the begun ones then fill the room. A step holds at least one sequence, and the whole run of
+        sequences sharing a prompt that begins it (the worker splits a run too large for one forward itself,
+        sharing in each part)."""
+        batch: list[tuple[_Waiting, int, int]] = []
+        begun = any(w.steps_waited is not None for w in self.waiting)
+        room = self._pass(batch, self.step_tokens // 2 if begun else self.step_tokens, fresh=True)
+        self._pass(batch, room + (self.step_tokens - self.step_tokens // 2 if begun else 0), fresh=False)
+        if batch:
+            self.steps += 1
+        return batch
+
+    def _pass(self, batch: list, room: int, fresh: bool) -> int:
+        """One turn through the line (only the requests not yet begun when `fresh`), adding parts to `batch` up to
+        `room` tokens; returns the room left. A request with sequences left goes to the back of the line."""
+        kept = []  # the requests passed over keep their places, ahead of those served
+        for _ in range(len(self.waiting)):
+            item = self.waiting.popleft()
+            if item.future.done():  # its caller went away
+                continue
+            if room <= 0 or (fresh and item.steps_waited is not None) or (
+                    batch and item.request.top_k != batch[0][0].request.top_k):
+                kept.append(item)
+                continue
+            offsets, groups = item.request.offsets, item.groups
+            while item.todo and room > 0:
+                lo, hi = item.todo[0]
+                end = min(hi, int(np.searchsorted(offsets, offsets[lo] + room, side="right")) - 1)
+                inside = end < hi and lo < groups[end] < end  # the cut would split a run begun in this span
+                if inside:
+                    end = int(groups[end])  # (the run goes whole in a later step)
+                if end <= lo:
+                    if batch:
+                        break
+                    end = lo + 1  # nothing fits: the run beginning here, whole
+                    while end < hi and groups[end] == lo:
+                        end += 1
+                batch.append((item, lo, end))
+                if item.steps_waited is None:
+                    item.steps_waited = self.steps - item.queued_at
+                room -= int(offsets[end] - offsets[lo])
+                item.todo[0] = (end, hi)
+                if end == hi:
+                    item.todo.popleft()
+                if inside:
+                    break
+            if item.todo:
+                self.waiting.append(item)  # to the back of the line
+        self.waiting.extendleft(reversed(kept))
+        return room
+
+    def answer(self, batch: list[tuple[_Waiting, int, int]], joined: ScoreRequest, result: ScoreResult) -> bool:
+        """Hands each request its part of a step's result; True when parts were queued again (older weights)."""
+        self.stepped_tokens += int(joined.offsets[-1])
+        start, again = 0, False
+        for item, lo, hi in batch:
+            item.parts.append((lo, hi, result.span(start, start + hi - lo).fit(item.request)))
+            start += hi - lo
+            again |= self._finish(item)
+        return again
+
+    def fail(self, batch: list[tuple[_Waiting, int, int]], error: BaseException) -> None:
+        """Every request of a failed step gets the failure; none is left waiting."""
+        for item, _, _ in batch:
+            if not item.future.done():
+                item.future.set_exception(error)
+            if item in self.waiting:
+                self.waiting.remove(item)
+
+    def _finish(self, item: _Waiting) -> bool:
+        """Completes a request whose parts are all in, all of one version; parts answered with older weights than
+        its newest part are queued again (True)."""
+        if item.future.done() or sum(hi - lo for lo, hi, _ in item.parts) < len(item.request):
+            return False
+        late = stale_parts([r.weights_version for _, _, r in item.parts])
+        if not late:
+            parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
+            item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
+                                    item.steps_waited or 0))
+            return False
+        if item.attempts > VERSION_ATTEMPTS:  # (asked again VERSION_ATTEMPTS times, as the pool and the client do)
+            item.future.set_exception(WeightsChanged(f"the weights changed during the request {VERSION_ATTEMPTS} "
+                                                     "times; retry"))
+            return False
+        item.attempts += 1
+        item.todo.extend(item.parts[i][:2] for i in late)
+        stale = set(late)
+        item.parts = [p for i, p in enumerate(item.parts) if i not in stale]
+        if item not in self.waiting:
+            self.waiting.append(item)
+        return True
+
+
+class Scheduler:
+    """A worker's one line and the thread that runs its steps: `submit(request)` (from any number of caller
+    threads) blocks until the request is answered and returns (its ScoreResult, steps waited); `between(fn)` runs
+    `fn` after the step in flight and before the next (a weight commit). `score` runs one step's joined request on
+    the worker. The line holds at most `max_requests` requests and `max_tokens` tokens not yet sent; more are
+    refused at once (Overloaded) and the worker goes on with what it has."""
+
+    def __init__(self, score: Callable[[ScoreRequest], ScoreResult], *, step_tokens: int,
+                 min_shared_prefix: int | None = None, max_requests: int = 4096, max_tokens: int | None = None,
+                 name: str = "scheduler") -> None:
+        self.score = score
+        self.line = Line(step_tokens, min_shared_prefix)
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens if max_tokens is not None else 64 * step_tokens
+        self.in_step = False
+        self._queued_tokens = 0  # (kept as the line changes: read for every submit)
+        self._ops: deque[tuple[Callable[[], object], Future]] = deque()
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    def submit(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
+        future: Future = Future()
+        tokens = int(request.offsets[-1])
+        with self._changed:
+            if len(self.line) >= self.max_requests or (self._queued_tokens and
+                                                       self._queued_tokens + tokens > self.max_tokens):
+                raise Overloaded(retry_after=1.0)
+            self.line.add(request, future)
+            self._queued_tokens += tokens
+            self._changed.notify()
+        return future.result()
+
+    def between(self, fn: Callable[[], object]):
+        """fn() in the scheduler's thread between two steps (the step in flight ends first; the line waits)."""
+        future: Future = Future()
+        with self._changed:
+            self._ops.append((fn, future))
+            self._changed.notify()
+        return future.result()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self.line.waiting and not self._ops:
+                    self._changed.wait()
+                ops = list(self._ops)
+                self._ops.clear()
+                batch = [] if ops else self.line.take()
+                self._queued_tokens = self.line.queued_tokens()
+                self.in_step = bool(batch)
+            for fn, future in ops:
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # (the caller gets it; the line goes on)
+                    future.set_exception(e)
+            if batch:
+                self._step(batch)
+
+    def _step(self, batch: list[tuple[_Waiting, int, int]]) -> None:
+        """One step; when it fails and holds several requests, each request's part again alone, so that a failure
+        (a sequence too large for memory, say) reaches only the request it belongs to."""
+        parts = [batch]
+        while parts:
+            part = parts.pop()
+            joined = ScoreRequest.concat([item.request.span(lo, hi) for item, lo, hi in part])
+            try:
+                result = self.score(joined)
+            except Exception as e:
+                if len({id(item) for item, _, _ in part}) > 1:
+                    parts += [[p for p in part if p[0] is item] for item in {id(i): i for i, _, _ in part}.values()]
+                    continue
+                with self._changed:
+                    self.line.fail(part, e)
+                continue
+            with self._changed:
+                self.line.answer(part, joined, result)
+        with self._changed:
+            self._queued_tokens = self.line.queued_tokens()
+            self.in_step = False
