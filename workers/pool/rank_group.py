@@ -83,9 +83,10 @@ class RankGroup:
         broken collective is free once that collective gives up (as long again), in time for the call's next
         attempt."""
         cuda = str(self.worker.device).startswith("cuda")
-        store = serve_store(self._timeout_s)
-        spec = GroupSpec(f"ranks-{uuid.uuid4().hex[:12]}", ray.util.get_node_ip_address(), store.port, self.size,
-                         "nccl" if cuda else "gloo", self._timeout_s)
+        address = ray.util.get_node_ip_address()
+        store = serve_store(address, self._timeout_s)
+        spec = GroupSpec(f"ranks-{uuid.uuid4().hex[:12]}", address, store.port, self.size, "nccl" if cuda else "gloo",
+                         self._timeout_s)
         self._group = None
         self.followers = actors(self.follower_names)
         joined = [f.join_ranks.remote(spec, r) for r, f in enumerate(self.followers, start=1)]

@@ -65,8 +65,8 @@ class WeightSender:
             self._open()
 
     def _open(self) -> None:
-        store = serve_store(self.timeout_s)
         address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        store = serve_store(address, self.timeout_s)
         self.spec = GroupSpec(f"weights-{uuid.uuid4().hex[:12]}", address, store.port, self.num_receivers + 1,
                               self.backend, self.timeout_s)  # type: ignore[arg-type]
         joined = self.owner.open_group.remote(self.spec)

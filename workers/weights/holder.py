@@ -200,9 +200,9 @@ class WeightsHolder:
         """Serves a store for a group in which this worker sends its weights (to restore a restarted peer)."""
         import ray
 
-        store = serve_store(timeout_s)
-        self._stores[name] = store
         address = ray.util.get_node_ip_address()
+        store = serve_store(address, timeout_s)
+        self._stores[name] = store
         return GroupSpec(name, address, store.port, world_size, backend, timeout_s)  # type: ignore[arg-type]
 
     def send_weights(self, spec: GroupSpec, layout: Layout | None = None) -> None:

@@ -11,6 +11,7 @@ already contiguous and in the workers' dtype is broadcast straight from it, the 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,9 +60,17 @@ def open_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> d
     return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
 
 
-def serve_store(timeout_s: float) -> dist.TCPStore:
-    """The sender's store on a free port (the port is `.port`)."""
-    return dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+def serve_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """The sender's store on a free port (the port is `.port`) of `address`, the one the group's members are told
+    (the node's address in the cluster; loopback for a service on one machine), not every interface: TCPStore
+    itself listens on all of them, so it is handed a socket bound here."""
+    family, kind, proto, _, where = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.bind(where)
+    listener.listen()
+    port = listener.getsockname()[1]
+    return dist.TCPStore(address, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         master_listen_fd=listener.detach())  # (the store owns the socket from here)
 
 
 def buckets(layout: Layout, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[Entry, ...]]:

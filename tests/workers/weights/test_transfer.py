@@ -36,7 +36,7 @@ def test_two_receivers_get_the_senders_tensors(bucket_bytes):
         "f": torch.randn(1000, generator=g),  # alone in its bucket, converted: more than any packed bucket holds
     }
     layout = Layout.of([(n, tuple(t.shape), torch.bfloat16 if n != "d" else torch.float32) for n, t in sources.items()])
-    store = serve_store(60)
+    store = serve_store("127.0.0.1", 60)
     spec = GroupSpec("test", "127.0.0.1", store.port, 3, "gloo", 60)
     received, errors = {}, []
 
@@ -79,7 +79,7 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
     shapes = {n: tuple(t.shape) for n, t in sent.items()}
     layouts = [w.weights.layout_for(shapes) for w in ranks]
     assert layouts[0] == layouts[1] and [e.name for e in layouts[0].entries] == list(sent)  # whole tensors
-    store = serve_store(60)
+    store = serve_store("127.0.0.1", 60)
     spec = GroupSpec("tp", "127.0.0.1", store.port, 3, "gloo", 60)
     errors = []
 
@@ -112,3 +112,20 @@ def test_tensor_parallel_ranks_keep_their_parts_of_a_stream(tied, bucket_bytes):
         for name, p in w.model.named_parameters():
             whole = sent.get(name, sent["model.embed_tokens.weight"]).detach() * 2
             assert torch.equal(p, shard_of(name, whole, rank, 2, w.model.config)), name
+
+
+def test_a_senders_store_listens_on_the_address_it_gives_and_no_other():
+    """A store served for loopback answers there and is not reachable on the machine's other addresses."""
+    import socket
+
+    import psutil
+
+    others = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+              if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    store = serve_store("127.0.0.1", 5)
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass
+    if not others:
+        pytest.skip("this machine has no address but loopback")
+    with pytest.raises(OSError), socket.create_connection((others[0], store.port), timeout=5):
+        pass
