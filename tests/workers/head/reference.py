@@ -28,12 +28,18 @@ def reference_log_probs(
     return picked.masked_fill(ignored, 0.0), entropy.masked_fill(ignored, 0.0)
 
 
+INTERPRETED_ULPS = 16
+
+
 def assert_same_bits(got: Tensor, want: Tensor, interpreted: bool) -> None:
     """Bitwise, where batch invariance is promised (compiled kernels, the torch backend). Under the Triton
-    interpreter `tl.dot` is numpy's matmul, and OpenBLAS's FMA kernels may sum a row in another order for another
-    row count (seen on AMD EPYC), so there the promise is a value within one float32 ulp of the other."""
+    interpreter `tl.dot` is numpy's matmul, and OpenBLAS sums a row in another order by its place in the matrix
+    (on this project's AMD EPYC machines, rows 6-11 and 18-31 of a 32-row tile in its Haswell sgemm kernels), which
+    reaches a few float32 ulps of the sums' scale (8 of the values near 0 after a log-sum-exp over the vocabulary),
+    so there the promise is a value within INTERPRETED_ULPS ulps of the other's magnitude, at least 1."""
     if not interpreted:
         assert torch.equal(got, want), (got - want).abs().max()
         return
-    ulp = torch.from_numpy(np.spacing(np.maximum(got.abs().cpu().numpy(), want.abs().cpu().numpy())))
-    assert ((got - want).abs().cpu() <= ulp).all(), (got - want).abs().max()
+    got, want = got.float().cpu(), want.float().cpu()
+    ulp = torch.from_numpy(np.spacing(np.maximum(np.maximum(got.abs().numpy(), want.abs().numpy()), 1.0)))
+    assert ((got - want).abs() <= INTERPRETED_ULPS * ulp).all(), (got - want).abs().max()

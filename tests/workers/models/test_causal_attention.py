@@ -10,6 +10,8 @@ import torch
 
 from ppo_logprobs.workers.models.causal_attention import _launch, causal_attention
 
+from ..head.reference import assert_same_bits
+
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 24
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -85,7 +87,7 @@ def test_a_querys_bits_are_its_own(dtype, window):
         cu_q2 = torch.tensor([0, a, a + n - cut, a + b + n - cut], dtype=torch.int32, device=DEVICE)
         cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
         out = causal_attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
-        assert torch.equal(pieces(out, cu_q2)[1], whole[cut:]), cut
+        assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
 
 
 def test_bad_shapes_are_refused():
