@@ -7,10 +7,10 @@ flag below says otherwise (every such option is in the JSON and the table). Each
 its own (`/r<N>/logprobs`), all deployed up front over the same named pool (their PoolKeepers attach to it: same
 workers), so that no redeploy is timed; one at a time is loaded by several
 client processes, closed loop, at each request size; then at half that peak rate, open loop, for latency. Per run:
-requests/s, tokens/s, latency p50/p99, the mean tokens a worker call carried over what a full call would (fill),
+requests/s, tokens/s, latency p50/p99, the mean tokens a worker's step carried over what a full step would (fill),
 and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per request. "Direct" is the
-pool fed calls of `batch_tokens` tokens from the driver, `max_batches_in_flight` at once: what the gateway could
-at best do with the same workers.
+pool fed calls of DIRECT_TOKENS tokens (the same requests joined) from the driver, DIRECT_IN_FLIGHT at once: what
+the gateway could at best do with the same workers.
 
   python benchmarks/bench_gateway.py --replicas 1 2 --requests 400          # CPU, the built-in tiny model
   python benchmarks/bench_gateway.py --workers 4 --replicas 1 2 4 8 --ingress python haproxy --out gateway.json
@@ -182,14 +182,17 @@ def worker_calls(pool) -> tuple[int, int]:
     return sum(h["calls"] for h in health), sum(h["tokens"] for h in health)
 
 
-def direct(pool, requests: list, settings: Settings) -> float:
-    """Tokens/s of the pool fed calls of batch_tokens tokens, max_batches_in_flight at once."""
+DIRECT_TOKENS, DIRECT_IN_FLIGHT = 65536, 2  # the floor's calls: as the gateway made them before workers scheduled
+
+
+def direct(pool, requests: list) -> float:
+    """Tokens/s of the pool fed calls of DIRECT_TOKENS tokens, DIRECT_IN_FLIGHT at once."""
     from ppo_logprobs.workers.request import ScoreRequest
 
     flat = [s for r in requests for s in r]
     calls, call, size = [], [], 0
     for s in flat:
-        if size + len(s) > settings.batch_tokens and call:
+        if size + len(s) > DIRECT_TOKENS and call:
             calls.append(call)
             call, size = [], 0
         call.append(s)
@@ -198,7 +201,7 @@ def direct(pool, requests: list, settings: Settings) -> float:
     built = [ScoreRequest.build(c, vocab_size=pool.vocab_size, max_length=pool.max_tokens_per_batch) for c in calls]
 
     async def run():
-        slots = asyncio.Semaphore(settings.max_batches_in_flight)
+        slots = asyncio.Semaphore(DIRECT_IN_FLIGHT)
 
         async def one(request):
             async with slots:
@@ -243,15 +246,16 @@ def run_mode(args) -> list[dict]:
                   route_prefix=f"/r{replicas}")
         note(f"deployed {apps[replicas]}")
     pool = WorkerPool.connect("bench:policy")
+    step_tokens = pool.health()[0]["step_tokens"]  # a worker's step: its line's budget
     rows = []
     sizes = {size: requests_of(size, args.requests, pool.vocab_size, seed=size) for size in args.sizes}
     bodies = {size: [json.dumps({"input_ids": r}).encode() for r in reqs] for size, reqs in sizes.items()}
     for size, reqs in sizes.items():  # warm-up: whatever the workers compile for these shapes
         warm = load(f"{url}/r{args.replicas[0]}", bodies[size][: args.requests // 4], args.client_procs,
                     args.connections)
-        direct(pool, reqs, settings)
+        direct(pool, reqs)
         note(f"warmed up {size} tokens a request: {warm['requests_per_s']:.0f} requests/s, {warm['failures']} failed")
-    base = {size: direct(pool, reqs, settings) for size, reqs in sizes.items()}
+    base = {size: direct(pool, reqs) for size, reqs in sizes.items()}
     for replicas, app in apps.items():
         for size, reqs in sizes.items():
             tokens = sum(len(s) for r in reqs for s in r)
@@ -267,7 +271,7 @@ def run_mode(args) -> list[dict]:
                 direct_tokens_per_s=base[size], over_direct=tokens / peak["seconds"] / base[size],
                 p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
                 half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
-                tokens_per_worker_call=per_call, fill=per_call / (settings.batch_tokens / args.workers),
+                tokens_per_worker_call=per_call, fill=per_call / step_tokens,
                 replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
                 proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs),
             ))

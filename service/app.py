@@ -1,5 +1,6 @@
-"""The gateway: FastAPI under Ray Serve, as any number of ingress replicas, each with one Batcher per served model
-in front of that model's WorkerPool, which the application's PoolKeeper owns (keeper.py).
+"""The gateway: FastAPI under Ray Serve, as any number of ingress replicas, each handing every request of a served
+model to that model's WorkerPool (handover.py), which the application's PoolKeeper owns (keeper.py); the pool's
+workers form their forwards from what waits at them.
 
 build_app(settings) -> a Serve application; `python -m ppo_logprobs.service` runs it.
 """
@@ -16,10 +17,10 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from .batcher import Batcher
 from .config import Settings
 from .edge import refusal
 from .errors import to_response
+from .handover import Handover
 from .keeper import PoolKeeper
 from .loopback import keep_replica_grpc_on_loopback
 from .routes import current_gateway, router, set_gateway
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServedModel:
     pool: object  # WorkerPool
-    batcher: Batcher
+    handover: Handover
     vocab_size: int
 
 
@@ -60,14 +61,15 @@ class GatewayMetrics:
                                  "the ratio bounds, by model", model, buckets=(0, 0.001, 0.01, 0.05, 0.1, 0.25, 1),
                                  registry=self.registry),
         }
-        self.queue = Gauge("ppo_logprobs_queue_depth", "requests waiting, by model", model, registry=self.registry)
-        self.queued_tokens = Gauge("ppo_logprobs_queued_tokens", "tokens of the requests waiting, by model", model,
+        self.queue = Gauge("ppo_logprobs_queue_depth", "requests handed to the workers and not answered, by model",
+                           model, registry=self.registry)
+        self.queued_tokens = Gauge("ppo_logprobs_queued_tokens", "tokens of those requests, by model", model,
                                    registry=self.registry)
-        self.calls = Counter("ppo_logprobs_worker_calls", "worker calls started, by model", model,
+        self.calls = Counter("ppo_logprobs_worker_calls", "requests handed to the workers, by model", model,
                              registry=self.registry)
         self.fill = Gauge(
-            "ppo_logprobs_batch_fill", "mean tokens per worker call over the batch budget", model,
-            registry=self.registry,
+            "ppo_logprobs_batch_fill", "the workers' mean tokens per step over a step's budget (of all callers' "
+            "requests, read with their health), by model", model, registry=self.registry,
         )
         self.version = Gauge("ppo_logprobs_weights_version", "the model's weights version (its owner's), by model",
                              model, registry=self.registry)
@@ -104,17 +106,19 @@ class GatewayMetrics:
 
     def sample(self, models: dict[str, ServedModel], health: dict[str, list[dict]] | None = None,
                versions: dict[str, int] | None = None) -> None:
-        """The gauges, read now: each model's batcher; with `health` (Gateway.health) its workers, with `versions`
-        its weights version."""
+        """The gauges, read now: each model's hand-over; with `health` (Gateway.health) its workers (their steps'
+        fill too), with `versions` its weights version."""
         for name, m in models.items():
             labels = dict(model=name, replica=self.replica)
-            self.queue.labels(**labels).set(len(m.batcher.waiting))
-            self.queued_tokens.labels(**labels).set(m.batcher.queued_tokens())
-            self.calls.labels(**labels).inc(m.batcher.calls - self._calls_seen.get(name, 0))
-            self._calls_seen[name] = m.batcher.calls
-            if m.batcher.calls:
-                self.fill.labels(**labels).set(m.batcher.batched_tokens / m.batcher.calls / m.batcher.batch_tokens)
+            self.queue.labels(**labels).set(m.handover.out)
+            self.queued_tokens.labels(**labels).set(m.handover.out_tokens)
+            self.calls.labels(**labels).inc(m.handover.handed - self._calls_seen.get(name, 0))
+            self._calls_seen[name] = m.handover.handed
         for name, workers in (health or {}).items():
+            stepping = [w for w in workers if w["alive"] and w.get("step_tokens")]
+            if sum(w["calls"] for w in stepping):
+                self.fill.labels(model=name, replica=self.replica).set(
+                    sum(w["tokens"] for w in stepping) / sum(w["calls"] * w["step_tokens"] for w in stepping))
             live = sum(w["alive"] for w in workers)
             self.workers.labels(model=name, state="live", replica=self.replica).set(live)
             self.workers.labels(model=name, state="down", replica=self.replica).set(len(workers) - live)
@@ -128,7 +132,7 @@ def share(total: int, replicas: int) -> int:
 
 
 class Gateway:
-    """What the routes use: settings, the served models (the keeper's pools, each with this replica's Batcher) and
+    """What the routes use: settings, the served models (the keeper's pools, each with this replica's Handover) and
     the metrics. `replicas` is how many ingress replicas share the per-model limits."""
 
     def __init__(self, settings: Settings, pools: dict, *, replica: str = "local", replicas: int = 1) -> None:
@@ -139,13 +143,9 @@ class Gateway:
         self._tokenizer = None
         self.models: dict[str, ServedModel] = {}
         for name, pool in pools.items():
-            batcher = Batcher(
-                pool.score, batch_tokens=settings.batch_tokens, wait_s=settings.batch_wait_ms / 1000,
-                max_queue=share(settings.max_queue, replicas),
-                max_in_flight=share(settings.max_batches_in_flight, replicas), timeout_s=settings.request_timeout_s,
-                min_shared_prefix=settings.min_shared_prefix,
-            )
-            self.models[name] = ServedModel(pool, batcher, pool.vocab_size)
+            handover = Handover(pool.score, max_queue=share(settings.max_queue, replicas),
+                                timeout_s=settings.request_timeout_s)
+            self.models[name] = ServedModel(pool, handover, pool.vocab_size)
 
     async def health(self, deadline_s: float) -> dict[str, list[dict]]:
         """Every model's workers' health, all asked at once; a worker silent for `deadline_s` counts as not alive."""

@@ -52,12 +52,8 @@ class Settings(BaseSettings):
     max_body_bytes: int | None = Field(
         None, ge=1024, description="request body limit, checked before parsing; default: 16 bytes a token + 1 MiB"
     )
-    batch_tokens: int = Field(65536, ge=1, description="tokens per worker call, joined from requests or cut from one")
-    batch_wait_ms: float = Field(5.0, ge=0, description="how long a call waits for more requests")
     max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429 (over all ingress "
                            "replicas: each takes an equal share)")
-    max_batches_in_flight: int = Field(2, ge=1, description="worker calls per model at once (over all ingress "
-                                       "replicas: each takes an equal share, at least 1)")
     dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
     backend: str = Field("auto", description="the fused head's backend: auto, triton or torch")
     gateway_resources: dict[str, float] = Field(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import ray
 
@@ -88,6 +89,19 @@ def _application_deleted() -> bool:
     return status is None or status.status == "DELETING"
 
 
+DRAIN_S = 60.0  # the longest the pools wait, once their application is deleted, for the requests at their workers
+
+
+def drain(pool, timeout_s: float = DRAIN_S) -> None:
+    """Returns once no live worker of `pool` has a request waiting or under way (the last requests the ingress
+    replicas handed over while Serve drained them), seen twice half a second apart, or after timeout_s."""
+    deadline, idle = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline and idle < 2:
+        busy = [h for h in pool.health(timeout=5) if h["alive"] and (h.get("queued_requests") or h.get("scoring"))]
+        idle = 0 if busy else idle + 1
+        time.sleep(0.5)
+
+
 class PoolKeeper:
     def __init__(self, settings: Settings) -> None:
         keep_replica_grpc_on_loopback(settings.host)
@@ -103,7 +117,8 @@ class PoolKeeper:
             log.info("keeper replaced: the pools keep running for the next one")
             return
         for model, pool in self.models.items():
-            log.info("application deleted: shutting down the pool of %s", model)
+            log.info("application deleted: shutting down the pool of %s once its workers are idle", model)
+            await asyncio.to_thread(drain, pool)
             await asyncio.to_thread(pool.shutdown)
             if pool.name:
                 from ppo_logprobs.workers.pool.owner import NAMESPACE

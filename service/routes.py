@@ -1,5 +1,5 @@
 """HTTP routes. A /logprobs body is size-checked before it is read, parsed and validated once into a ScoreRequest
-off the event loop, scored through the model's Batcher, and written as JSON or BINARY (see wire.py). Every
+off the event loop, handed to the model's workers (handover.py), and written as JSON or BINARY (see wire.py). Every
 failure becomes an answer in `errors.to_response`."""
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
         if parsed.rollout_log_probs is not None:
             rollout = await off_loop(inline, rollout_values, parsed.rollout_log_probs, scores)
         start = time.perf_counter()
-        result, waited = await model.batcher.submit(scores)
+        result, waited = await model.handover.submit(scores)
         if not result.all_finite():
             raise NonFiniteResults(f"model {name} produced non-finite log-probs (weights version "
                                    f"{result.weights_version})")
@@ -187,7 +187,7 @@ async def completions(request: Request, gw: GatewayDep) -> Response:
             max_length=settings.max_tokens_per_batch, max_tokens=settings.max_request_tokens, top_k=k,
             max_top_k=settings.max_top_k)
         start = time.perf_counter()
-        result, _ = await model.batcher.submit(scores)
+        result, _ = await model.handover.submit(scores)
         tokens = int(scores.offsets[-1])
         gw.metrics.observe(name, tokens, time.perf_counter() - start,
                            shared=tokens - result.computed_tokens(scores.lengths))

@@ -98,6 +98,9 @@ class Overloaded(Transient):
         super().__init__(f"overloaded: retry after {retry_after:.0f} s")
         self.retry_after = retry_after
 
+    def __reduce__(self):  # (raised in a worker, it crosses Ray with its own argument, not its message)
+        return type(self), (self.retry_after,)
+
 
 class WeightsChanged(Transient, RuntimeError):
     """The weights changed under a call more often than it re-asked."""

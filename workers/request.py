@@ -365,6 +365,8 @@ class ScoreResult:
     top_ids: np.ndarray | None = None
     tail_log_prob: np.ndarray | None = None
     candidate_log_probs: np.ndarray | None = None
+    # the steps a worker's line began between this request's coming and its first part (the most over its workers)
+    steps_waited: int = 0
 
     def extras(self) -> dict[str, np.ndarray]:
         """The per-entry arrays asked for beside log_probs and entropy, by name."""
@@ -426,7 +428,9 @@ class ScoreResult:
             computed = np.zeros(n)
             for index, part in parts:
                 computed[index] = part.computed
-        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, **extras)
+        waited = max((part.steps_waited for _, part in parts), default=0)
+        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, **extras,
+                           steps_waited=waited)
 
     def fit(self, request: ScoreRequest) -> ScoreResult:
         """This result (of a call `request` was joined into) as `request` asked for it: candidates cut to the width

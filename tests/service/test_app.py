@@ -1,7 +1,7 @@
 """The gateway's pure parts, without Ray or Serve: each replica's share of the per-model limits, GatewayMetrics as the
-Prometheus text it exports (tokens, shared tokens, latency, rollout mismatch, and the queue, calls and batch fill
-sampled from a real Batcher in front of a LogProbWorker), _Edge (the edge's refusals, answers counted by status,
-X-Replica), and the FastAPI app mapping the errors FastAPI raises itself."""
+Prometheus text it exports (tokens, shared tokens, latency, rollout mismatch, the queue and calls sampled from a
+real Handover in front of a LogProbWorker, the workers' fill from their health), _Edge (the edge's refusals,
+answers counted by status, X-Replica), and the FastAPI app mapping the errors FastAPI raises itself."""
 
 import asyncio
 
@@ -12,8 +12,9 @@ from prometheus_client import generate_latest
 
 from ppo_logprobs.service import Settings
 from ppo_logprobs.service.app import Gateway, GatewayMetrics, ServedModel, _Edge, make_fastapi, share
-from ppo_logprobs.service.batcher import Batcher
+from ppo_logprobs.service.handover import Handover
 from ppo_logprobs.workers import LogProbWorker
+from ppo_logprobs.workers.errors import Overloaded
 
 from ..helpers import TINY_VOCAB
 from .test_routes import registered
@@ -125,7 +126,7 @@ class Held:
         return self.worker.score_request(request)
 
 
-def test_the_queue_the_calls_and_the_batch_fill_are_sampled_from_the_models_batchers():
+def test_the_queue_and_the_calls_are_sampled_from_the_hand_over_and_the_fill_from_the_workers():
     worker = LogProbWorker("tiny", backend="torch")
     rng = np.random.default_rng(0)
     first = worker.request(rng.integers(0, TINY_VOCAB, (2, 10)).tolist(), return_entropy=False)  # 20 tokens
@@ -133,32 +134,35 @@ def test_the_queue_the_calls_and_the_batch_fill_are_sampled_from_the_models_batc
     metrics = GatewayMetrics("r")
     labels = 'model="policy",replica="r"'
 
-    def sampled(models) -> tuple:
-        metrics.sample(models)
+    def sampled(models, health=None) -> tuple:
+        metrics.sample(models, health)
         got = exported(metrics)
-        return tuple(got.get(f"ppo_logprobs_{name}{{{labels}}}") for name in ("queue_depth", "worker_calls_total",
-                                                                                "batch_fill"))
+        return tuple(got.get(f"ppo_logprobs_{name}{{{labels}}}") for name in ("queue_depth", "queued_tokens",
+                                                                                "worker_calls_total", "batch_fill"))
 
     async def run():
         held = Held(worker)
-        batcher = Batcher(held, batch_tokens=64, wait_s=0, max_queue=4, max_in_flight=1)
-        models = {"policy": ServedModel(None, batcher, TINY_VOCAB)}
+        handover = Handover(held, max_queue=2)
+        models = {"policy": ServedModel(None, handover, TINY_VOCAB)}
         seen = [sampled(models)]
-        calls = [asyncio.ensure_future(batcher.submit(first))]
-        await held.started.wait()  # the first call holds the only slot
-        calls.append(asyncio.ensure_future(batcher.submit(second)))
-        while not batcher.waiting:
-            await asyncio.sleep(0)
+        calls = [asyncio.ensure_future(handover.submit(first))]
+        await held.started.wait()
+        calls.append(asyncio.ensure_future(handover.submit(second)))
+        await asyncio.sleep(0)
         seen.append(sampled(models))
+        with pytest.raises(Overloaded):  # two out: this replica's share of max_queue
+            await handover.submit(first)
         held.answer.set()
         results = await asyncio.gather(*calls)
-        seen.append(sampled(models))
+        workers = [dict(alive=True, calls=3, tokens=96, step_tokens=64), dict(alive=True, calls=1, tokens=16,
+                                                                               step_tokens=64), dict(alive=False)]
+        seen.append(sampled(models, {"policy": workers}))
         return seen, results
 
     seen, results = asyncio.run(run())
-    assert seen == [(0, 0, None),  # nothing yet: no fill to report
-                    (1, 1, 0),  # one call started (not answered), one request waiting
-                    (0, 2, 50 / 2 / 64)]  # two calls of 20 and 30 tokens, out of 64 each
+    assert seen == [(0, 0, 0, None),  # nothing yet: no fill to report
+                    (2, 50, 2, None),  # both handed over at once, neither answered
+                    (0, 0, 2, 112 / 4 / 64)]  # the live workers' 4 steps of 112 tokens in all, out of 64 each
     assert [len(result) for result, _ in results] == [2, 3]
 
 

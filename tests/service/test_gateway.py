@@ -44,14 +44,14 @@ def server(checkpoint, tokenizer_dir):
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
                     pool_name="gw-main",
                     max_tokens_per_batch=512)
-    # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first); small
-    # has its own, since a test deletes that application, which shuts its pool down
-    small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, batch_wait_ms=1000, api_key="s3cret",
+    # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first, whose
+    # workers' steps are of 4 x 512 tokens); small has its own, since a test deletes that application, which shuts
+    # its pool down
+    small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, api_key="s3cret",
                      pool_name="gw-small", ingress_replicas=1)  # (one replica: its /metrics shows its queue)
-    big = Settings(models={"policy": "tiny"}, backend="torch", batch_tokens=2048, max_batches_in_flight=1,
-                   pool_name="gw-big")
+    big = Settings(models={"policy": "tiny"}, backend="torch", max_tokens_per_batch=512, pool_name="gw-big")
     slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big",
-                    max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir)
+                    max_tokens_per_batch=512, max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir)
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 
@@ -276,13 +276,18 @@ def metric(server, prefix, name, model="policy") -> float:
     return 0.0
 
 
+def steps(server) -> int:
+    """The steps the big app's workers have begun (their lines')."""
+    return sum(w["steps"] for w in httpx.get(server + "/big/v1/health", timeout=60).json()["models"]["policy"])
+
+
 def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
-    """131,072 sequences of 2 tokens (the request limit) are cut into calls of 2048 tokens (128 of them, so that
-    the small request arrives while they run, on a GPU too); the small one goes into the next call and is answered
-    before the huge one."""
+    """131,072 sequences of 2 tokens (the request limit) go to the worker, whose line cuts them into steps of 2048
+    tokens (128 of them, so that the small request arrives while they run, on a GPU too); the small one goes into
+    the next step and is answered before the huge one."""
     huge = [[int(i % 500), int((i * 7) % 500)] for i in range(131072)]
     small = random_sequences(2, seed=500)
-    done = []
+    done, before = [], steps(server)
 
     async def run():
         async with httpx.AsyncClient(base_url=server + "/big", timeout=600) as client:
@@ -292,7 +297,7 @@ def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
                 return r
 
             big_task = asyncio.create_task(send("huge", {"input_ids": huge, "return_entropy": False}))
-            while metric(server, "/big", "ppo_logprobs_worker_calls_total") < 1:  # the huge request is being scored
+            while steps(server) == before:  # the huge request is being scored
                 assert not big_task.done(), big_task.result().text
                 await asyncio.sleep(0.05)
             small_r = await send("small", {"input_ids": small})
@@ -301,8 +306,8 @@ def test_a_huge_request_does_not_hold_up_a_small_one(server, tiny):
     big_r, small_r = asyncio.run(run())
     assert big_r.status_code == 200 and small_r.status_code == 200, (big_r.text[:300], small_r.text[:300])
     assert done == ["small", "huge"]
-    assert int(small_r.headers["X-Calls-Waited"]) <= 1  # at most the call that was running when it came
-    assert metric(server, "/big", "ppo_logprobs_worker_calls_total") >= 128  # the huge one took 128 calls or more
+    assert int(small_r.headers["X-Calls-Waited"]) <= 1  # at most the step that was running when it came
+    assert steps(server) - before >= 128  # the huge one took 128 steps or more
     results = big_r.json()["results"]
     assert len(results) == 131072 and all("entropy" not in r for r in results[:10])
     for i in (0, 4097, 131071):  # spot checks: each sequence's one log-prob, in request order
@@ -484,7 +489,7 @@ def test_health_version_and_tokenize_in_vllms_shapes(server):
     assert httpx.get(server + "/health").status_code == 200 and httpx.get(server + "/health").content == b""
     assert httpx.get(server + "/version").json() == {"version": importlib.metadata.version("ppo-logprobs")}
     r = post(server, {"prompt": "t5 t7 t502"}, "/slow/tokenize")
-    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": 16384, "tokens": [5, 7, 502]}
+    assert r.status_code == 200 and r.json() == {"count": 3, "max_model_len": 512, "tokens": [5, 7, 502]}
     r = post(server, {"tokens": [5, 7, 502]}, "/slow/detokenize")
     assert r.status_code == 200 and r.json() == {"prompt": "t5 t7 t502"}
     r = post(server, {"tokens": [5, 503]}, "/slow/detokenize")
@@ -579,16 +584,16 @@ def test_the_service_comes_back_after_ten_worker_kills(server, tiny):
 
 
 def test_graceful_shutdown_finishes_requests_in_flight(server):
-    """Deleting an application lets the requests it already holds finish (the small app waits 1 s to batch: the
-    deletion starts once its metrics show both requests queued)."""
+    """Deleting an application lets the requests it already holds finish (two requests of 64k tokens each, which
+    the workers take a while to score: the deletion starts once its metrics show both out)."""
     import threading
 
     good = {"Authorization": "Bearer s3cret"}
 
     async def run():
         async with httpx.AsyncClient(base_url=server, timeout=120, headers=good) as client:
-            tasks = [asyncio.create_task(client.post("/small/logprobs", json={"input_ids": [[1, 2, 3, 4]]}))
-                     for _ in range(2)]
+            body = {"input_ids": random_sequences(256, seed=3, lo=250, hi=256), "return_entropy": False}
+            tasks = [asyncio.create_task(client.post("/small/logprobs", json=body)) for _ in range(2)]
             deadline = time.monotonic() + 60
             while await asyncio.to_thread(metric, server, "/small", "ppo_logprobs_queue_depth") != 2:
                 assert time.monotonic() < deadline, "the two requests were not seen queued"

@@ -14,7 +14,7 @@ from ppo_logprobs.service.keeper import _load_options, pool_spec
 POOL = dict(workers_per_model=2, gpus_per_worker=1.0, max_tokens_per_batch=100, worker_resources={"big": 1.0},
             max_restarts=0, dtype="bfloat16", backend="torch", min_shared_prefix=4)
 # settings of the gateway only: keepers that differ in these attach to one pool
-GATEWAY = dict(batch_tokens=7, batch_wait_ms=0.0, max_queue=3, max_batches_in_flight=1, ingress_replicas=3,
+GATEWAY = dict(max_queue=3, ingress_replicas=3,
                request_timeout_s=1.0, max_request_tokens=5000, port=9000, api_key="k")
 
 

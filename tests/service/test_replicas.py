@@ -34,8 +34,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def settings():
-    return Settings(models={"policy": "tiny"}, backend="torch", ingress_replicas=2, pool_name="gw-two",
-                    batch_wait_ms=200)
+    return Settings(models={"policy": "tiny"}, backend="torch", ingress_replicas=2, pool_name="gw-two")
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +121,8 @@ def test_reloads_through_either_replica(server, tiny, checkpoints):
 
 def test_losing_an_ingress_replica_loses_no_answer_and_touches_no_worker(server, checkpoints):
     """SIGKILL one ingress replica's process while eight clients (ours, which retry what was lost in transit) keep
-    scoring, each request held 200 ms in a replica's batcher, so that requests are in the dead replica when it
-    dies: every request is answered, rightly, the workers keep their processes and weights, and Serve starts a new
-    replica."""
+    scoring (so that requests are out from the dead replica when it dies, waiting for the workers): every request
+    is answered, rightly, the workers keep their processes and weights, and Serve starts a new replica."""
     path = next(iter(checkpoints))
     reload = httpx.post(server + "/v1/models/policy/reload", json={"path": path}, timeout=120)
     version, model, pids = reload.json()["weights_version"], checkpoints[path], worker_pids(server)
@@ -230,4 +228,4 @@ def test_each_replica_takes_an_equal_share_of_the_per_model_limits():
     from ppo_logprobs.service.app import share
 
     assert [share(256, n) for n in (1, 2, 3, 8, 300)] == [256, 128, 86, 32, 1]
-    assert [share(2, n) for n in (1, 2, 4)] == [2, 1, 1]  # at least one call in flight each
+    assert [share(2, n) for n in (1, 2, 4)] == [2, 1, 1]  # at least one request out each

@@ -68,14 +68,15 @@ class PoolWorker:
     def score_request(self, request: ScoreRequest) -> ScoreResult:
         if self.scheduler is None:
             return self._scoring.score_request(request)
-        return self.scheduler.submit(request)[0]
+        result, result.steps_waited = self.scheduler.submit(request)
+        return result
 
     def info(self) -> dict:
         info = self._scoring.info()
         if self.scheduler is not None:  # its line: what waits, and the steps run
             line = self.scheduler.line
             info.update(queued_requests=len(line), queued_tokens=self.scheduler.queued_tokens(), steps=line.steps,
-                        requests=line.added)
+                        requests=line.added, step_tokens=line.step_tokens)
         return info
 
     health = info

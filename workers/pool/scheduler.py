@@ -52,6 +52,7 @@ class Line:
         self.waiting: deque[_Waiting] = deque()
         self.steps = 0  # started so far
         self.added = 0  # requests so far
+        self.fresh_tokens = 0  # of the requests waiting that no step has begun yet
         self.stepped_tokens = 0  # in the steps answered
 
     def __len__(self) -> int:
@@ -62,6 +63,7 @@ class Line:
         item.todo.append((0, len(request)))
         self.waiting.append(item)
         self.added += 1
+        self.fresh_tokens += int(request.offsets[-1])
         return item
 
     def queued_tokens(self) -> int:
@@ -88,7 +90,8 @@ class Line:
         kept = []  # the requests passed over keep their places, ahead of those served
         for _ in range(len(self.waiting)):
             item = self.waiting.popleft()
-            if item.future.done():  # its caller went away
+            if item.future.done():  # its caller went away (or it failed)
+                self._gone(item)
                 continue
             if room <= 0 or (fresh and item.steps_waited is not None) or (
                     batch and item.request.top_k != batch[0][0].request.top_k):
@@ -110,6 +113,7 @@ class Line:
                 batch.append((item, lo, end))
                 if item.steps_waited is None:
                     item.steps_waited = self.steps - item.queued_at
+                    self.fresh_tokens -= int(offsets[-1])
                 room -= int(offsets[end] - offsets[lo])
                 item.todo[0] = (end, hi)
                 if end == hi:
@@ -138,6 +142,12 @@ class Line:
                 item.future.set_exception(error)
             if item in self.waiting:
                 self.waiting.remove(item)
+                self._gone(item)
+
+    def _gone(self, item: _Waiting) -> None:
+        if item.steps_waited is None:  # (never begun: its tokens leave the fresh count)
+            item.steps_waited = 0
+            self.fresh_tokens -= int(item.request.offsets[-1])
 
     def _finish(self, item: _Waiting) -> bool:
         """Completes a request whose parts are all in, all of one version; parts answered with older weights than
@@ -167,8 +177,9 @@ class Scheduler:
     """A worker's one line and the thread that runs its steps: `submit(request)` (from any number of caller
     threads) blocks until the request is answered and returns (its ScoreResult, steps waited); `between(fn)` runs
     `fn` after the step in flight and before the next (a weight commit). `score` runs one step's joined request on
-    the worker. The line holds at most `max_requests` requests and `max_tokens` tokens not yet sent; more are
-    refused at once (Overloaded) and the worker goes on with what it has."""
+    the worker. The line holds at most `max_requests` requests, and `max_tokens` tokens of the requests it has not
+    begun (one larger is taken when none waits; a huge request under way keeps no other out); more are refused at
+    once (Overloaded) and the worker goes on with what it has."""
 
     def __init__(self, score: Callable[[ScoreRequest], ScoreResult], *, step_tokens: int,
                  min_shared_prefix: int | None = None, max_requests: int = 4096, max_tokens: int | None = None,
@@ -190,8 +201,8 @@ class Scheduler:
         future: Future = Future()
         tokens = int(request.offsets[-1])
         with self._changed:
-            if len(self.line) >= self.max_requests or (self._queued_tokens and
-                                                       self._queued_tokens + tokens > self.max_tokens):
+            fresh = self.line.fresh_tokens
+            if len(self.line) >= self.max_requests or (fresh and fresh + tokens > self.max_tokens):
                 raise Overloaded(retry_after=1.0)
             self.line.add(request, future)
             self._queued_tokens += tokens

@@ -4,13 +4,13 @@ each answered with its own tokens, in order; a huge request beside small ones; t
 steps and a request cut across it; a failure reaching only the request it belongs to."""
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from ppo_logprobs.workers.errors import Overloaded, TooLarge
-from ppo_logprobs.workers.pool.scheduler import Scheduler
+from ppo_logprobs.workers.pool.scheduler import Line, Scheduler
 from ppo_logprobs.workers.request import ScoreRequest, ScoreResult, ragged_index
 
 POISON = 999  # a token the scorer refuses (as a worker refuses a sequence too large for its memory)
@@ -115,6 +115,23 @@ def test_a_full_line_refuses_at_once_and_the_worker_goes_on():
             check(f.result(timeout=30)[0], sequences(1, 50, seed=s))
 
 
+def test_a_huge_request_under_way_keeps_no_small_one_out():
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=100, max_tokens=500)
+    huge, small = sequences(40, 50, seed=1), sequences(1, 50, seed=2)  # 2,000 tokens: more than the line holds
+    with ThreadPoolExecutor(2) as callers:
+        big = callers.submit(scheduler.submit, request(huge))  # (taken: nothing else waits)
+        assert scorer.entered.acquire(timeout=30)
+        little = callers.submit(scheduler.submit, request(small))
+        while len(scheduler.line) < 2:
+            assert not little.done(), little.result()
+            threading.Event().wait(0.01)
+        scorer.gate.set()
+        check(little.result(timeout=30)[0], small)
+        check(big.result(timeout=30)[0], huge)
+
+
 def test_a_commit_waits_for_the_step_in_flight_never_for_the_line_and_a_cut_request_gets_one_version():
     scorer = Scorer()
     scorer.gate = threading.Event()
@@ -157,3 +174,22 @@ def test_a_failing_sequence_fails_only_its_own_request():
         with pytest.raises(TooLarge):
             answers[1].result(timeout=30)
     assert scheduler.line.queued_tokens() == 0 and not scheduler.line.waiting
+
+
+def test_a_request_is_cut_between_the_runs_of_a_shared_prompt_not_inside_them():
+    """Three runs of three sequences (a prompt of 8 shared tokens, then 2 of their own): steps of 35 tokens take one
+    run each (30 tokens), not 3.5 sequences; a run larger than a step is cut where the budget falls."""
+    g = np.random.default_rng(5)
+    seqs = [prompt + g.integers(0, 50, 2).tolist() for prompt in (g.integers(0, 50, 8).tolist() for _ in range(3))
+            for _ in range(3)]
+
+    def steps(step_tokens):
+        line = Line(step_tokens, min_shared_prefix=8)
+        line.add(request(seqs), Future())
+        taken = []
+        while batch := line.take():
+            taken += [hi - lo for _, lo, hi in batch]
+        return taken
+
+    assert steps(35) == [3, 3, 3]
+    assert steps(25) == [2, 1, 2, 1, 2, 1]
