@@ -67,8 +67,9 @@ class Connection:
             return 0, 0
 
     async def _post(self, path: bytes, body: bytes) -> tuple[int, int]:
-        self.writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (path, len(body), body))
+        host = b"%s:%d" % (self.address[0].encode(), self.address[1])  # (a loopback service checks the Host)
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path, host, len(body), body))
         status = int((await self.reader.readline()).split()[1])
         length, close = None, False
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
@@ -215,9 +216,17 @@ def direct(pool, requests: list) -> float:
 
 
 def run_mode(args) -> list[dict]:
-    """One ingress mode, in this process: every replica count and request size."""
+    """One ingress mode, in this process: every replica count and request size, with Ray and Serve started as
+    `ppo-logprobs serve` starts them on loopback (service/__main__.py)."""
+    from ppo_logprobs.service.edge import Edge
+
+    options = dict(models={"policy": args.model}, workers_per_model=args.workers, pool_name="bench",
+                   **({"dtype": args.dtype} if args.dtype else {}))
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # (Ray's listeners on loopback, as serve does)
     if args.ingress == "haproxy":
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    for name, value in Edge.of(Settings(**options)).environment().items():  # (read when Ray is imported)
+        os.environ.setdefault(name, value)
     import ray
     import torch
     from ray import serve
@@ -231,13 +240,12 @@ def run_mode(args) -> list[dict]:
 
         haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
     gpu = torch.cuda.is_available()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,  # Ray on loopback, as the service runs
-             runtime_env={"worker_process_setup_hook": "ppo_logprobs.service.loopback.setup_worker"})
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "ppo_logprobs.service.edge.setup_worker"})
     url = f"http://127.0.0.1:{args.port}"
     serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": args.port})
-    options = dict(models={"policy": args.model}, workers_per_model=args.workers, pool_name="bench",
-                   **({"gpus_per_worker": 1 / args.workers} if gpu and args.workers > 1 else {}),
-                   **({"dtype": args.dtype} if args.dtype else {}), **({"backend": "torch"} if not gpu else {}))
+    options.update({"gpus_per_worker": 1 / args.workers} if gpu and args.workers > 1 else {},
+                   **({"backend": "torch"} if not gpu else {}))
     settings = Settings(**options)
     apps = {}
     for replicas in args.replicas:  # the first makes the pool, the others attach to it
