@@ -188,7 +188,6 @@ class Scheduler:
         self.line = Line(step_tokens, min_shared_prefix)
         self.max_requests = max_requests
         self.max_tokens = max_tokens if max_tokens is not None else 64 * step_tokens
-        self.in_step = False
         self._queued_tokens = 0  # (kept as the line changes: read for every submit)
         self._ops: deque[tuple[Callable[[], object], Future]] = deque()
         self._changed = threading.Condition()
@@ -226,7 +225,6 @@ class Scheduler:
                 self._ops.clear()
                 batch = [] if ops else self.line.take()
                 self._queued_tokens = self.line.queued_tokens()
-                self.in_step = bool(batch)
             for fn, future in ops:
                 try:
                     future.set_result(fn())
@@ -255,4 +253,3 @@ class Scheduler:
                 self.line.answer(part, joined, result)
         with self._changed:
             self._queued_tokens = self.line.queued_tokens()
-            self.in_step = False
