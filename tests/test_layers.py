@@ -232,6 +232,7 @@ def test_a_process_holding_only_a_pools_handles_loads_no_torch():
     import sys
 
     code = ("import sys, ppo_logprobs.service.app, ppo_logprobs.workers.pool.worker_pool, ppo_logprobs.client; "
+            "from ppo_logprobs.workers import SequenceScores; "  # (a trainer's type hints: the contract's class)
             "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -9,7 +9,7 @@ from importlib import import_module
 _WHERE = {  # attribute -> the module that defines it
     "FusedLinearForPPO": ".head", "HeadOptions": ".head", "fused_log_probs": ".head", "resolve_backend": ".head",
     "CausalLMOutputForPPO": ".models", "load_model": ".models", "patch_model": ".models",
-    "LogProbWorker": ".pool", "SequenceScores": ".pool", "WorkerPool": ".pool.worker_pool",
+    "LogProbWorker": ".pool", "SequenceScores": ".request", "WorkerPool": ".pool.worker_pool",
 }
 __all__ = sorted(_WHERE)
 

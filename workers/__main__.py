@@ -1,4 +1,4 @@
-"""`python -m ppo_logprobs.workers`: a small demo of the fused head (what `make serve` runs until the service lands).
+"""`python -m ppo_logprobs.workers`: a small demo of the fused head.
 
 Scores random tokens with both backends available here and checks them against the full-logits computation.
 """

@@ -38,9 +38,8 @@ from .fuse_body import fuse_body
 
 _IGNORE = -100
 
-# model_type -> how its head differs from `hidden @ lm_head.weight.T`, as data: the config field holding a
-# final-logit softcap that the fused head applies (Gemma 2 and 3). A family not listed is refused, never scored
-# approximately (e.g. Cohere's logit_scale, Granite's logits_scaling).
+# (How a family's head differs from `hidden @ lm_head.weight.T` is in families.py, one table; a family not listed
+# there is refused, never scored approximately.)
 
 
 @dataclass

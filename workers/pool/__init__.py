@@ -4,7 +4,7 @@ Attributes load lazily, so that a process holding only a pool's handles (a gatew
 
 from importlib import import_module
 
-_WHERE = {"LogProbWorker": ".log_prob_worker", "SequenceScores": ".log_prob_worker"}
+_WHERE = {"LogProbWorker": ".log_prob_worker", "SequenceScores": "..request"}
 __all__ = sorted(_WHERE)
 
 
