@@ -106,7 +106,7 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_
         pending[asyncio.wrap_future(ref.future())] = (share, worker, attempt)
         load[worker] += int(request.lengths[share].sum())
 
-    shares = sorted(shares_of(request, len(workers), min_shared_prefix), key=len, reverse=True)
+    shares = sorted(shares_of(request, len(workers), min_shared_prefix), key=lambda s: -int(request.lengths[s].sum()))
     for w, share in zip(sorted(range(len(workers)), key=load.__getitem__), shares, strict=True):
         if share.size:
             submit(share, w, 1)
