@@ -14,7 +14,6 @@ A full line refuses more (Overloaded: a 429 over HTTP) and is the queue a caller
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,13 +26,11 @@ from ..errors import Overloaded, WeightsChanged
 from ..prefixes import neighbour_groups
 from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(eq=False)
 class _Waiting:
     request: ScoreRequest
-    future: Future  # (or an asyncio.Future, set from its loop)
+    future: Future
     queued_at: int  # steps started when it was queued
     groups: np.ndarray  # where each sequence's run of neighbours sharing a prompt begins
     todo: deque = field(default_factory=deque)  # (lo, hi) ranges of its sequences not yet sent
@@ -53,7 +50,6 @@ class Line:
         self.steps = 0  # started so far
         self.added = 0  # requests so far
         self.fresh_tokens = 0  # of the requests waiting that no step has begun yet
-        self.stepped_tokens = 0  # in the steps answered
 
     def __len__(self) -> int:
         return len(self.waiting)
@@ -90,9 +86,6 @@ class Line:
         kept = []  # the requests passed over keep their places, ahead of those served
         for _ in range(len(self.waiting)):
             item = self.waiting.popleft()
-            if item.future.done():  # its caller went away (or it failed)
-                self._gone(item)
-                continue
             if room <= 0 or (fresh and item.steps_waited is not None) or (
                     batch and item.request.top_k != batch[0][0].request.top_k):
                 kept.append(item)
@@ -125,15 +118,13 @@ class Line:
         self.waiting.extendleft(reversed(kept))
         return room
 
-    def answer(self, batch: list[tuple[_Waiting, int, int]], joined: ScoreRequest, result: ScoreResult) -> bool:
-        """Hands each request its part of a step's result; True when parts were queued again (older weights)."""
-        self.stepped_tokens += int(joined.offsets[-1])
-        start, again = 0, False
+    def answer(self, batch: list[tuple[_Waiting, int, int]], result: ScoreResult) -> None:
+        """Hands each request its part of a step's result (parts answered with older weights are queued again)."""
+        start = 0
         for item, lo, hi in batch:
             item.parts.append((lo, hi, result.span(start, start + hi - lo).fit(item.request)))
             start += hi - lo
-            again |= self._finish(item)
-        return again
+            self._finish(item)
 
     def fail(self, batch: list[tuple[_Waiting, int, int]], error: BaseException) -> None:
         """Every request of a failed step gets the failure; none is left waiting."""
@@ -142,35 +133,28 @@ class Line:
                 item.future.set_exception(error)
             if item in self.waiting:
                 self.waiting.remove(item)
-                self._gone(item)
 
-    def _gone(self, item: _Waiting) -> None:
-        if item.steps_waited is None:  # (never begun: its tokens leave the fresh count)
-            item.steps_waited = 0
-            self.fresh_tokens -= int(item.request.offsets[-1])
-
-    def _finish(self, item: _Waiting) -> bool:
+    def _finish(self, item: _Waiting) -> None:
         """Completes a request whose parts are all in, all of one version; parts answered with older weights than
-        its newest part are queued again (True)."""
+        its newest part are queued again."""
         if item.future.done() or sum(hi - lo for lo, hi, _ in item.parts) < len(item.request):
-            return False
+            return
         late = stale_parts([r.weights_version for _, _, r in item.parts])
         if not late:
             parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
             item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
                                     item.steps_waited or 0))
-            return False
+            return
         if item.attempts > VERSION_ATTEMPTS:  # (asked again VERSION_ATTEMPTS times, as the pool and the client do)
             item.future.set_exception(WeightsChanged(f"the weights changed during the request {VERSION_ATTEMPTS} "
                                                      "times; retry"))
-            return False
+            return
         item.attempts += 1
         item.todo.extend(item.parts[i][:2] for i in late)
         stale = set(late)
         item.parts = [p for i, p in enumerate(item.parts) if i not in stale]
         if item not in self.waiting:
             self.waiting.append(item)
-        return True
 
 
 class Scheduler:
@@ -188,13 +172,13 @@ class Scheduler:
         self.line = Line(step_tokens, min_shared_prefix)
         self.max_requests = max_requests
         self.max_tokens = max_tokens if max_tokens is not None else 64 * step_tokens
-        self._queued_tokens = 0  # (kept as the line changes: read for every submit)
         self._ops: deque[tuple[Callable[[], object], Future]] = deque()
         self._changed = threading.Condition()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def queued_tokens(self) -> int:
-        return self._queued_tokens
+        with self._changed:
+            return self.line.queued_tokens()
 
     def submit(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
         future: Future = Future()
@@ -204,7 +188,6 @@ class Scheduler:
             if len(self.line) >= self.max_requests or (fresh and fresh + tokens > self.max_tokens):
                 raise Overloaded(retry_after=1.0)
             self.line.add(request, future)
-            self._queued_tokens += tokens
             self._changed.notify()
         return future.result()
 
@@ -224,7 +207,6 @@ class Scheduler:
                 ops = list(self._ops)
                 self._ops.clear()
                 batch = [] if ops else self.line.take()
-                self._queued_tokens = self.line.queued_tokens()
             for fn, future in ops:
                 try:
                     future.set_result(fn())
@@ -243,13 +225,12 @@ class Scheduler:
             try:
                 result = self.score(joined)
             except Exception as e:
-                if len({id(item) for item, _, _ in part}) > 1:
-                    parts += [[p for p in part if p[0] is item] for item in {id(i): i for i, _, _ in part}.values()]
+                items = list({id(item): item for item, _, _ in part}.values())  # (in order, each once)
+                if len(items) > 1:
+                    parts += [[p for p in part if p[0] is item] for item in items]
                     continue
                 with self._changed:
                     self.line.fail(part, e)
                 continue
             with self._changed:
-                self.line.answer(part, joined, result)
-        with self._changed:
-            self._queued_tokens = self.line.queued_tokens()
+                self.line.answer(part, result)
