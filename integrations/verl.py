@@ -43,53 +43,80 @@ def _temperatures(value) -> float | list[float]:
     return float(value)
 
 
+def batch_of(data) -> dict:
+    """What the role's rank 0 is sent: the batch's tokens as numpy arrays (Ray moves those without pickling torch's
+    tensors: the nested ones cost ~25 ms a GRPO batch each way), the temperature and whether entropy is asked.
+    `data`: verl 0.9's TensorDict without padding, or a DataProto in verl's padded layout."""
+    if isinstance(data, DataProto):
+        return dict(input_ids=data.batch["input_ids"].cpu().numpy(),
+                    attention_mask=data.batch["attention_mask"].cpu().numpy(),
+                    width=data.batch["responses"].shape[1],
+                    temperature=_temperatures(data.meta_info.get("temperature")),
+                    entropy=bool(data.meta_info.get("calculate_entropy", False)))
+    ids = data["input_ids"]
+    return dict(values=ids.values().cpu().numpy(), offsets=ids.offsets().cpu().numpy(),
+                starts=data["attention_mask"][:, : data["prompts"].shape[1]].sum(1).cpu().numpy(),
+                temperature=_temperatures(tu.get(data, "temperature")),
+                entropy=bool(tu.get(data, "calculate_entropy", default=False)))
+
+
+def score_batch(service: Service, batch: dict) -> dict:
+    """batch_of's batch scored: numpy arrays of what verl's own reference worker returns (see tensors_of)."""
+    if "input_ids" in batch:  # padded
+        rows = unpad(torch.from_numpy(batch["input_ids"]), torch.from_numpy(batch["attention_mask"]), batch["width"])
+        results = score_rows(service, rows, batch["temperature"], batch["entropy"])
+        out = {"ref_log_prob": [r.log_probs for r in results]}
+        if batch["entropy"]:
+            out["entropys"] = [r.entropy for r in results]
+        return {k: rows.place(v, dtype=torch.float32, device="cpu").numpy() for k, v in out.items()}
+    values, offsets, starts = batch["values"], batch["offsets"], batch["starts"].tolist()
+    seqs = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]  # (views: no per-token work)
+    rows = Rows(seqs, starts, [], [b for b, (s, p) in enumerate(zip(seqs, starts, strict=True)) if len(s) > p],
+                (len(seqs), 0))
+    results = score_rows(service, rows, batch["temperature"], batch["entropy"])
+
+    def flat(values) -> np.ndarray:  # entry t of a sequence for its token t + 1; 0 where nothing is scored
+        out = np.zeros(len(batch["values"]), np.float32)
+        for b, v in zip(rows.sent, values, strict=True):
+            out[offsets[b] + starts[b] - 1 : offsets[b + 1] - 1] = v
+        return out
+
+    out = {"log_probs": flat(r.log_probs for r in results), "offsets": offsets}
+    if batch["entropy"]:
+        out["entropy"] = flat(r.entropy for r in results)
+    return out
+
+
+def tensors_of(out: dict) -> TensorDict | DataProto:
+    """score_batch's arrays in verl's types: a TensorDict of `log_probs` (and `entropy`) nested like the batch's
+    `input_ids`, or a DataProto of `ref_log_prob` (and `entropys`) [batch, response] float32, 0 at padding."""
+    if "offsets" not in out:
+        return DataProto.from_dict(tensors={k: torch.from_numpy(v) for k, v in out.items()})
+    offsets = torch.from_numpy(out.pop("offsets"))
+    return tu.get_tensordict({k: torch.nested.nested_tensor_from_jagged(torch.from_numpy(v), offsets)
+                              for k, v in out.items()})
+
+
 def score_unpadded(service: Service, data: TensorDict) -> TensorDict:
     """verl 0.9's reference call: `data` without padding (as `left_right_2_no_padding` makes it) -> `log_probs`
     (and `entropy` when `calculate_entropy`), nested like `input_ids`: entry t for token t + 1, 0 on the prompt's
     positions but its last and on the sequence's last position."""
-    ids = data["input_ids"]
-    offsets = ids.offsets().tolist()
-    values = ids.values().cpu().numpy()  # (views of one array: the pool takes them with no per-token work)
-    seqs = [values[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-    prompt_width = data["prompts"].shape[1]
-    starts = data["attention_mask"][:, :prompt_width].sum(1).tolist()  # each sequence's prompt tokens
-    entropy = bool(tu.get(data, "calculate_entropy", default=False))
-    rows = Rows(seqs, starts, [], [b for b, (s, p) in enumerate(zip(seqs, starts, strict=True)) if len(s) > p],
-                (len(seqs), 0))
-    results = score_rows(service, rows, _temperatures(tu.get(data, "temperature")), entropy)
-    sent = rows.sent
-    out = {"log_probs": _nested(seqs, starts, sent, [r.log_probs for r in results])}
-    if entropy:
-        out["entropy"] = _nested(seqs, starts, sent, [r.entropy for r in results])
-    return tu.get_tensordict(out)
+    return tensors_of(score_batch(service, batch_of(data)))
 
 
-def _nested(seqs, starts, sent, values) -> torch.Tensor:
-    rows = [np.zeros(len(s), np.float32) for s in seqs]
-    for b, v in zip(sent, values, strict=True):
-        rows[b][starts[b] - 1 : len(seqs[b]) - 1] = v
-    return torch.nested.nested_tensor([torch.from_numpy(r) for r in rows], layout=torch.jagged)
-
-
-def score_padded(service: Service, data: DataProto, key: str = "ref_log_prob") -> DataProto:
+def score_padded(service: Service, data: DataProto) -> DataProto:
     """verl's padded layout: `input_ids` = prompts (left-padded) + `responses` (right-padded), `attention_mask`
-    over both -> `key` [batch, response] float32 (and `entropys` when meta_info calculate_entropy), 0 at padding."""
-    batch = data.batch
-    width = batch["responses"].shape[1]
-    rows = unpad(batch["input_ids"], batch["attention_mask"], width)
-    entropy = bool(data.meta_info.get("calculate_entropy", False))
-    results = score_rows(service, rows, _temperatures(data.meta_info.get("temperature")), entropy)
-    out = {key: rows.place([r.log_probs for r in results], dtype=torch.float32, device="cpu")}
-    if entropy:
-        out["entropys"] = rows.place([r.entropy for r in results], dtype=torch.float32, device="cpu")
-    return DataProto.from_dict(tensors=out)
+    over both -> `ref_log_prob` [batch, response] float32 (and `entropys` when meta_info calculate_entropy), 0 at
+    padding."""
+    return tensors_of(score_batch(service, batch_of(data)))
 
 
 class ServiceRefWorker(Worker):
     """The worker verl's trainer builds for `Role.RefPolicy`; `reference_worker(service)` makes the class with its
     service set. The service holds the model, so the role needs no GPU memory of its own, and the whole batch goes
     to rank 0 and to the service in one call: split over the ranks, it would reach the service as one smaller call
-    a rank (each packed alone) after a hop through each."""
+    a rank (each packed alone) after a hop through each. The trainer's process sends rank 0 the batch as numpy
+    arrays (batch_of) and turns the arrays it gets back into verl's types (tensors_of)."""
 
     service_target = None  # what scoring.Service takes: a URL, a pool's name, a WorkerPool or a LogProbClient
     service_model = "policy"  # the served model's name (HTTP)
@@ -105,11 +132,10 @@ class ServiceRefWorker(Worker):
             raise ValueError("ServiceRefWorker has no service: make its class with reference_worker(service)")
         self.service = Service(self.service_target, model=self.service_model, api_key=self.api_key)
 
-    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO)
-    def compute_ref_log_prob(self, data):
-        if isinstance(data, DataProto):
-            return score_padded(self.service, data)
-        return score_unpadded(self.service, data)
+    @register(dispatch_mode={"dispatch_fn": lambda _, data: ((batch_of(data),), {}),  # (in the trainer's process)
+                             "collect_fn": lambda _, out: tensors_of(out)}, execute_mode=Execute.RANK_ZERO)
+    def compute_ref_log_prob(self, batch: dict) -> dict:
+        return score_batch(self.service, batch)
 
 
 def reference_worker(service, *, model: str = "policy", api_key: str | None = None) -> type[ServiceRefWorker]:

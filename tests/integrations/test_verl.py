@@ -123,7 +123,7 @@ def test_both_layouts_give_verls_own_numbers_and_the_pools(pool, hf, groups, siz
 def test_verls_worker_group_builds_the_worker_and_scores_a_batch_in_one_call(pool):
     """As verl's RayPPOTrainer.init_workers builds the RefPolicy role of its role mapping: the class with its init
     arguments, fused by create_colocated_worker_cls, a RayWorkerGroup over a resource pool (two CPU processes
-    here), spawned by role; init_model, then compute_ref_log_prob of the no-padding batch."""
+    here), spawned by role; init_model, then compute_ref_log_prob of the no-padding batch and of a padded DataProto."""
     from verl.single_controller.ray.base import create_colocated_worker_cls
     from verl.trainer.ppo.utils import Role  # (what ray_trainer imports; ray_trainer itself needs vLLM-side packages)
 
@@ -141,6 +141,11 @@ def test_verls_worker_group_builds_the_worker_and_scores_a_batch_in_one_call(poo
     want = no_padding_2_padding(tu.get(score_unpadded(Service(pool), td), "log_probs"), td)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert got[b["response_mask"].bool()].ne(0).all()
+    padded = DataProto.from_dict(tensors=b, meta_info=dict(temperature=0.9, calculate_entropy=True))
+    got, want = ref.compute_ref_log_prob(padded), score_padded(Service(pool), padded)  # verl's padded layout
+    assert isinstance(got, DataProto) and set(got.batch.keys()) == {"ref_log_prob", "entropys"}
+    for key in ("ref_log_prob", "entropys"):
+        torch.testing.assert_close(got.batch[key], want.batch[key], atol=0, rtol=0)
 
 
 def test_a_worker_without_a_service_says_so():
