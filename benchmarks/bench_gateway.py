@@ -8,9 +8,10 @@ its own (`/r<N>/logprobs`), all deployed up front over the same named pool (thei
 workers), so that no redeploy is timed; one at a time is loaded by several
 client processes, closed loop, at each request size; then at half that peak rate, open loop, for latency. Per run:
 requests/s, tokens/s, latency p50/p99, the mean tokens a worker's step carried over what a full step would (fill),
-and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per request. "Direct" is the
-pool fed calls of DIRECT_TOKENS tokens (the same requests joined) from the driver, DIRECT_IN_FLIGHT at once: what
-the gateway could at best do with the same workers.
+the HTTP requests a call reaching a worker's line carried (joined: the replicas' hand-over joins small requests
+that arrive together), and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per
+request. "Direct" is the pool fed calls of DIRECT_TOKENS tokens (the same requests joined) from the driver,
+DIRECT_IN_FLIGHT at once: what the gateway could at best do with the same workers.
 
   python benchmarks/bench_gateway.py --replicas 1 2 --requests 400          # CPU, the built-in tiny model
   python benchmarks/bench_gateway.py --workers 4 --replicas 1 2 4 8 --ingress python haproxy --out gateway.json
@@ -178,9 +179,11 @@ def cpu_seconds(app: str) -> dict[str, float]:
     return out
 
 
-def worker_calls(pool) -> tuple[int, int]:
+def worker_calls(pool) -> tuple[int, int, int]:
+    """The workers' steps, tokens and requests (pool calls reaching their lines) so far."""
     health = pool.health()
-    return sum(h["calls"] for h in health), sum(h["tokens"] for h in health)
+    return (sum(h["calls"] for h in health), sum(h["tokens"] for h in health),
+            sum(h.get("requests", h["calls"]) for h in health))
 
 
 DIRECT_TOKENS, DIRECT_IN_FLIGHT = 65536, 2  # the floor's calls: as the gateway made them before workers scheduled
@@ -280,6 +283,7 @@ def run_mode(args) -> list[dict]:
                 p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
                 half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
                 tokens_per_worker_call=per_call, fill=per_call / step_tokens,
+                requests_per_line_request=len(reqs) / max(1, calls1[2] - calls0[2]),
                 replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
                 proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs),
             ))
@@ -373,11 +377,12 @@ def main() -> None:
     print(f"non-default options: {options or 'none'}; {args.connections} connections from {args.client_procs} "
           f"client processes; {args.requests} requests a run")
     print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'req/s':>7} {'tok/s':>9} {'/direct':>7} {'p99 ms':>7} "
-          f"{'p99@half':>8} {'fill':>5} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
+          f"{'p99@half':>8} {'fill':>5} {'joined':>6} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
     for r in rows:
         print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['requests_per_s']:>7.0f} "
               f"{r['tokens_per_s']:>9.0f} {r['over_direct']:>7.2f} {r['p99_ms']:>7.1f} {r['half_rate_p99_ms']:>8.1f} "
-              f"{r['fill']:>5.2f} {r['replica_cpu_ms']:>10.2f} {r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
+              f"{r['fill']:>5.2f} {r['requests_per_line_request']:>6.1f} {r['replica_cpu_ms']:>10.2f} "
+              f"{r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
 
 
 if __name__ == "__main__":

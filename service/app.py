@@ -65,8 +65,8 @@ class GatewayMetrics:
                            model, registry=self.registry)
         self.queued_tokens = Gauge("ppo_logprobs_queued_tokens", "tokens of those requests, by model", model,
                                    registry=self.registry)
-        self.calls = Counter("ppo_logprobs_worker_calls", "requests handed to the workers, by model", model,
-                             registry=self.registry)
+        self.calls = Counter("ppo_logprobs_worker_calls", "calls to the workers (each one request, or small ones "
+                             "joined), by model", model, registry=self.registry)
         self.fill = Gauge(
             "ppo_logprobs_batch_fill", "the workers' mean tokens per step over a step's budget (of all callers' "
             "requests, read with their health), by model", model, registry=self.registry,
@@ -112,8 +112,8 @@ class GatewayMetrics:
             labels = dict(model=name, replica=self.replica)
             self.queue.labels(**labels).set(m.handover.out)
             self.queued_tokens.labels(**labels).set(m.handover.out_tokens)
-            self.calls.labels(**labels).inc(m.handover.handed - self._calls_seen.get(name, 0))
-            self._calls_seen[name] = m.handover.handed
+            self.calls.labels(**labels).inc(m.handover.calls - self._calls_seen.get(name, 0))
+            self._calls_seen[name] = m.handover.calls
         for name, workers in (health or {}).items():
             stepping = [w for w in workers if w["alive"] and w.get("step_tokens")]
             if sum(w["calls"] for w in stepping):
@@ -225,7 +225,7 @@ def build_app(settings: Settings):
     @serve.deployment(
         num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0}, **spread,
         max_ongoing_requests=max(settings.max_open_requests, settings.max_queue * len(settings.models) + 64),
-        graceful_shutdown_timeout_s=60,
+        graceful_shutdown_timeout_s=60, logging_config={"enable_access_log": settings.access_log},
     )
     @serve.ingress(app)
     class LogProbsIngress(Gateway):

@@ -113,15 +113,19 @@ def test_rollout_mismatch_is_one_observation_per_sequence_of_each_statistic():
 
 
 class Held:
-    """The worker's scores, each call held until the test lets it answer; `started` is set once one has begun."""
+    """The worker's scores, each call held until the test lets it answer; `begun`: the calls so far."""
 
     def __init__(self, worker: LogProbWorker) -> None:
         self.worker = worker
-        self.started = asyncio.Event()
+        self.begun = 0
         self.answer = asyncio.Event()
 
+    async def begin(self, calls: int) -> None:
+        while self.begun < calls:
+            await asyncio.sleep(0)
+
     async def __call__(self, request):
-        self.started.set()
+        self.begun += 1
         await self.answer.wait()
         return self.worker.score_request(request)
 
@@ -146,9 +150,9 @@ def test_the_queue_and_the_calls_are_sampled_from_the_hand_over_and_the_fill_fro
         models = {"policy": ServedModel(None, handover, TINY_VOCAB)}
         seen = [sampled(models)]
         calls = [asyncio.ensure_future(handover.submit(first))]
-        await held.started.wait()
+        await held.begin(1)
         calls.append(asyncio.ensure_future(handover.submit(second)))
-        await asyncio.sleep(0)
+        await held.begin(2)
         seen.append(sampled(models))
         with pytest.raises(Overloaded):  # two out: this replica's share of max_queue
             await handover.submit(first)

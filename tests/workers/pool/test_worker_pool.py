@@ -24,7 +24,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def pool(cluster):
-    pool = WorkerPool.create("tiny", 2, max_tokens_per_batch=256, backend="torch")
+    pool = WorkerPool.create("tiny", 2, name="module-pool", max_tokens_per_batch=256, backend="torch")
     yield pool
     pool.shutdown()
 
@@ -137,6 +137,52 @@ def test_update_weights_then_an_actor_killed_mid_call(pool):
     assert_matches(results, seqs, new, version=version)  # complete, in order, with the current weights
     after = pool.health()
     assert after[0]["pid"] != pid and after[0]["weights_version"] == version
+
+
+_SECOND_DRIVER = """
+import json, sys, ray
+from concurrent.futures import ThreadPoolExecutor
+from ppo_logprobs.workers import WorkerPool
+ray.init(address=sys.argv[1], log_to_driver=False)
+pool = WorkerPool.connect(sys.argv[2])
+requests = json.loads(sys.stdin.readline())
+print("connected", flush=True)
+with ThreadPoolExecutor(4) as callers:
+    answers = list(callers.map(pool.compute_log_probs, requests))
+print(json.dumps([[[r.weights_version, r.log_probs.tolist()] for r in a] for a in answers]), flush=True)
+"""
+
+
+def test_two_drivers_and_many_callers_share_the_workers_through_an_update_and_a_kill(cluster, pool):
+    """A second driver process (4 callers) and 8 callers here score small requests through the same workers while
+    the weights change and a worker is killed mid-call (of a larger request): every request is answered, in order,
+    each with one version, and each sequence's answer is that version's model on the sequence alone."""
+    models = {pool.update_weights(perturbed(seed=40).state_dict()): perturbed(seed=40)}
+    theirs = [random_sequences(3, seed=500 + i, hi=30) for i in range(24)]
+    ours = [random_sequences(3, seed=600 + i, hi=30) for i in range(24)]
+    second = subprocess.Popen([sys.executable, "-c", _SECOND_DRIVER, cluster, "module-pool"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second.stdin.write(json.dumps(theirs) + "\n")
+    second.stdin.flush()
+    assert second.stdout.readline().strip() == "connected", second.stderr.read()[-2000:]
+    big = random_sequences(120, seed=700, lo=100, hi=200)
+    with ThreadPoolExecutor(8) as callers:
+        answers = [callers.submit(pool.compute_log_probs, seqs) for seqs in ours]
+        new = perturbed(seed=41)
+        models[pool.update_weights(new.state_dict())] = new
+        ours.append(big)
+        answers.append(callers.submit(pool.compute_log_probs, big))
+        scoring_now(pool.workers[1])
+        ray.kill(pool.workers[1], no_restart=False)  # restarted with its initial weights, then restored
+        answers = [a.result(timeout=300) for a in answers]
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 0, err[-2000:]
+    remote = [[(v, np.array(lp, np.float32)) for v, lp in a] for a in json.loads(out.strip().splitlines()[-1])]
+    answers = [[(r.weights_version, r.log_probs) for r in a] for a in answers] + remote
+    for seqs, answer in zip(ours + theirs, answers, strict=True):
+        assert len(answer) == len(seqs) and len({v for v, _ in answer}) == 1  # all of it, of one version
+        for seq, (version, lp) in zip(seqs, answer, strict=True):
+            np.testing.assert_allclose(lp, alone(models[version], seq)[0], rtol=0, atol=1e-5)
 
 
 def test_attach_by_name_from_a_second_driver(cluster, model):
