@@ -93,21 +93,25 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model {args.model} on {device}; {prompts} prompts x G={group}, prompts up to {prompt} tokens, responses "
           f"up to {response}; the reference role in {args.ranks} processes", flush=True)
     for step in range(-1, args.steps):  # step -1 warms every side up, untimed
-        batch = rollouts(prompts, group, prompt, response, hf.config.vocab_size, seed=step + 1)
+        # each side gets a batch of its own, as each trainer step brings one the workers have not seen (a batch
+        # scored right after another side scored it would find its shapes planned and compiled)
+        batch, other, third = (rollouts(prompts, group, prompt, response, hf.config.vocab_size, seed=3 * step + k)
+                               for k in (3, 4, 5))
         # (verl's trainer makes the no-padding batch for any reference worker: not timed)
-        data = left_right_2_no_padding(DataProto.from_dict(tensors=batch).to_tensordict())
-        tu.assign_non_tensor(data, temperature=args.temperature, calculate_entropy=False, compute_loss=False)
+        data, data3 = (left_right_2_no_padding(DataProto.from_dict(tensors=b).to_tensordict()) for b in (batch, third))
+        for d in (data, data3):
+            tu.assign_non_tensor(d, temperature=args.temperature, calculate_entropy=False, compute_loss=False)
         start = time.perf_counter()
         out = ref.compute_ref_log_prob(data)
         times["service"].append(time.perf_counter() - start)
         served = no_padding_2_padding(tu.get(out, "log_probs"), data)  # (verl's trainer does this for any worker)
-        mask = batch["attention_mask"].bool()
-        seqs = [row[m].tolist() for row, m in zip(batch["input_ids"], mask, strict=True)]
+        mask = other["attention_mask"].bool()
+        seqs = [row[m].tolist() for row, m in zip(other["input_ids"], mask, strict=True)]
         start = time.perf_counter()
-        pool.compute_log_probs(seqs, batch["attention_mask"][:, :prompt].sum(1).tolist(), args.temperature, False)
+        pool.compute_log_probs(seqs, other["attention_mask"][:, :prompt].sum(1).tolist(), args.temperature, False)
         times["pool"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        score_unpadded(Service(pool), data)  # the adapter without verl's worker group
+        score_unpadded(Service(pool), data3)  # the adapter without verl's worker group
         times["adapter"].append(time.perf_counter() - start)
         start = time.perf_counter()
         own = verls_own(hf, batch, args.temperature, device)
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'verl (the HF model here)':<32}{result['verl_s']:>20.3f}{held:>28.3f}")
     print(f"{'ppo-logprobs (RefPolicy role)':<32}{result['service_s']:>20.3f}{0:>28.3f}")
     print(f"{'the adapter, no worker group':<32}{result['adapter_s']:>20.3f}")
-    print(f"{'the pool directly, same tokens':<32}{result['pool_s']:>20.3f}")
+    print(f"{'the pool directly, a like batch':<32}{result['pool_s']:>20.3f}")
     print(f"largest |service - verl| over the response tokens: {worst:.2e}")
     ray.shutdown()
     return result
