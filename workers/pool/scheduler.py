@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -141,6 +141,12 @@ class Line:
             return
         late = stale_parts([r.weights_version for _, _, r in item.parts])
         if not late:
+            if len(item.parts) == 1:  # (whole in one step, as most small requests are: its span of the step's result)
+                part = item.parts[0][2]
+                if part.entropy is not None and not item.request.return_entropy:  # (another request asked for it)
+                    part = replace(part, entropy=None)
+                item.future.set_result((part, item.steps_waited or 0))
+                return
             parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
             item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
                                     item.steps_waited or 0))

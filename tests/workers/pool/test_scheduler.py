@@ -34,7 +34,8 @@ class Scorer:
         if (request.tokens == POISON).any():
             raise TooLarge("a sequence does not fit")
         tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, request.scored)]
-        return ScoreResult(tokens.astype(np.float32), None, request.result_offsets(), self.version)
+        entropy = -tokens.astype(np.float32) if request.return_entropy else None
+        return ScoreResult(tokens.astype(np.float32), entropy, request.result_offsets(), self.version)
 
 
 def request(seqs, starts=1) -> ScoreRequest:
@@ -193,3 +194,18 @@ def test_a_request_is_cut_between_the_runs_of_a_shared_prompt_not_inside_them():
 
     assert steps(35) == [3, 3, 3]
     assert steps(25) == [2, 1, 2, 1, 2, 1]
+
+
+def test_a_request_whole_in_one_step_gets_its_span_and_entropy_only_if_it_asked():
+    line, scorer = Line(step_tokens=1000), Scorer()
+    plain, asking = sequences(2, 10, seed=50), sequences(3, 12, seed=51)
+    futures = [Future(), Future()]
+    line.add(request(plain), futures[0])
+    line.add(ScoreRequest.build(asking, vocab_size=1000, max_length=4096, return_entropy=True), futures[1])
+    batch = line.take()
+    line.answer(batch, scorer(ScoreRequest.concat([item.request.span(lo, hi) for item, lo, hi in batch])))
+    (got_plain, _), (got_asking, _) = (f.result(timeout=0) for f in futures)
+    check(got_plain, plain)
+    check(got_asking, asking)
+    assert got_plain.entropy is None  # (the step computed entropy for the other request)
+    assert got_asking.entropy.tolist() == [-t for seq in asking for t in seq[1:]]
