@@ -63,6 +63,24 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         fail(str(e).splitlines()[0])
 
 
+def checkpoint_problem(path: str) -> str | None:
+    """Why `path` cannot be loaded as a model, as far as can be told without loading it (None: nothing found)."""
+    if not os.path.isdir(path):
+        return f"no directory {path!r}"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"{path!r} has no config.json: not a HuggingFace checkpoint directory"
+    if not any(f.endswith(".safetensors") or f.startswith("pytorch_model") and f.endswith(".bin")
+               for f in os.listdir(path)):
+        return f"{path!r} has no weights (*.safetensors or pytorch_model*.bin)"
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # (whatever transformers raises for a config it cannot read: JSON, an unknown model_type)
+        return f"cannot read {os.path.join(path, 'config.json')!r} ({str(e).splitlines()[0]:.200})"
+    return None
+
+
 def preflight(settings: Settings) -> None:
     """What start-up would fail on later, checked before Ray starts: each checkpoint directory (on this machine;
     joining a cluster through RAY_ADDRESS, the GPU nodes may hold paths this one does not: then only a warning),
@@ -70,9 +88,7 @@ def preflight(settings: Settings) -> None:
     for name, path in settings.models.items():
         if path == "tiny":
             continue
-        problem = (f"no directory {path!r}" if not os.path.isdir(path) else
-                   f"{path!r} has no config.json: not a HuggingFace checkpoint directory"
-                   if not os.path.isfile(os.path.join(path, "config.json")) else None)
+        problem = checkpoint_problem(path)
         if problem and os.environ.get("RAY_ADDRESS") in (None, "", "local"):
             fail(f"--models {name}={path}: {problem}")
         if problem:

@@ -47,3 +47,19 @@ def test_a_port_in_use_is_named():
     assert out.returncode == 2 and out.stderr == (
         f"ppo-logprobs serve: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use): another "
         "service holds it? choose one with --port\n")
+
+
+@pytest.mark.parametrize("files, line", [
+    ({"config.json": '{"model_type": "qwen2"}'}, "has no weights (*.safetensors or pytorch_model*.bin)"),
+    ({"config.json": '{"model_type": "no-such-model"}', "model.safetensors": ""}, "cannot read "),
+    ({"config.json": "{not json", "model.safetensors": ""}, "cannot read "),
+])
+def test_a_checkpoint_that_cannot_load_is_named_before_ray_starts(tmp_path, files, line):
+    """A directory with a config.json but no weights, or a config transformers cannot read, ends in one line (it
+    used to reach the workers, and Serve retried the pool's replica three times before giving up)."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    out = serve("--models", f"policy={tmp_path}")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"ppo-logprobs serve: --models policy={tmp_path}: "), out.stderr
+    assert line in out.stderr and "Traceback" not in out.stderr
