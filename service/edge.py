@@ -68,9 +68,12 @@ def edge_template(template: str, edge: Edge) -> str:
         "    tcp-request connection track-sc0 src\n"
         f"    tcp-request connection reject if {{ sc0_conn_cur gt {edge.max_connections_per_client} }}\n"
     )
+    from .errors import error_body  # (here, not at the top: this module is read before Ray is imported)
+
+    body = json.dumps(error_body("the service is starting: retry", 503)).replace('"', '\\"')
     starting = ("{%- if backends %}\n" + _NOT_FOUND + "{%- else %}\n"
-                "    http-request return status 503 content-type application/json hdr Retry-After 1 string "
-                "\"{\\\"detail\\\": \\\"the service is starting: retry\\\"}\"\n{%- endif %}\n")
+                f"    http-request return status 503 content-type application/json hdr Retry-After 1 string "
+                f"\"{body}\"\n{{%- endif %}}\n")
     return (template.replace(_FRONTEND, _FRONTEND + bounds).replace(_NOT_FOUND, starting)
             .replace(_LOG, "    log stderr format raw local0 warning\n"))
 

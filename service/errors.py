@@ -55,21 +55,34 @@ def _union_tag(x) -> bool:
     return isinstance(x, str) and ("[" in x or x in ("float", "int", "str", "bool", "none"))
 
 
+_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
+
+
+def error_body(detail: str, status: int) -> dict:
+    """An error answer's body: `detail` (FastAPI's key, which our clients read) and the same message in OpenAI's
+    `error` object, which the `openai` package and OpenAI-style clients read (`message`, `type`, `code`)."""
+    kind = _KINDS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"detail": detail, "error": {"message": detail, "type": kind, "code": status}}
+
+
+def _answer(detail: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(detail, status), status_code=status, headers=headers)
+
+
 def to_response(exc: BaseException) -> JSONResponse:
     exc = cause(exc)
     if isinstance(exc, HTTPException):
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        return _answer(exc.detail, exc.status_code, exc.headers)
     if isinstance(exc, (RequestValidationError, ValidationError)):
-        return JSONResponse({"detail": one_line(_validation_detail(exc.errors()), 1000)}, status_code=422)
+        return _answer(one_line(_validation_detail(exc.errors()), 1000), 422)
     if isinstance(exc, Overloaded):
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status,
-                            headers={"Retry-After": f"{exc.retry_after:.0f}"})
+        return _answer(str(exc), exc.status, {"Retry-After": f"{exc.retry_after:.0f}"})
     if isinstance(exc, ServiceError) and exc.status < 500:  # the caller's fault (the type says so)
-        return JSONResponse({"detail": one_line(str(exc))}, status_code=exc.status)
+        return _answer(one_line(str(exc)), exc.status)
     if (isinstance(exc, ServiceError) and exc.transient) or isinstance(exc, _RAY_TRANSIENT):
         reason = one_line(str(exc), 200) if not isinstance(exc, _RAY_TRANSIENT) else "a worker is restarting"
-        return JSONResponse({"detail": f"temporarily unavailable: {reason}; retry"}, status_code=503,
-                            headers={"Retry-After": "1"})
+        return _answer(f"temporarily unavailable: {reason}; retry", 503, {"Retry-After": "1"})
     error_id = uuid.uuid4().hex[:12]
     log.error("error %s: %s", error_id, type(exc).__name__, exc_info=exc)
-    return JSONResponse({"detail": f"internal error {error_id} (in the gateway's log)"}, status_code=500)
+    return _answer(f"internal error {error_id} (in the gateway's log)", 500)

@@ -221,17 +221,19 @@ def test_the_app_counts_its_answers_and_maps_the_errors_fastapi_raises_itself():
     client = TestClient(make_fastapi())
     with registered(None):  # before the replica registers its gateway
         r = client.get("/readyz")
-        assert (r.status_code, r.json(), r.headers["retry-after"]) == (503, {"detail": "the gateway is starting"}, "5")
+        assert (r.status_code, r.json()["detail"], r.headers["retry-after"]) == (503, "the gateway is starting", "5")
         assert "x-replica" not in r.headers
     with registered(Gateway(Settings(api_key="s3cret"), {}, replica="replica-a")) as gw:
         r = client.get("/healthz")
         assert (r.status_code, r.json(), r.headers["x-replica"]) == (200, {"status": "ok"}, "replica-a")
         r = client.get("/v1/health")
-        assert r.status_code == 401 and r.json() == {
-            "detail": "missing or wrong API key: send 'Authorization: Bearer <key>'"}
+        assert r.status_code == 401 and r.json()["detail"] == (
+            "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        assert r.json()["error"]["type"] == "authentication_error"
         assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-replica"] == "replica-a"
         r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
-        assert r.status_code == 422 and r.json() == {"detail": "path: Input should be a valid string (got 5)"}
+        assert r.status_code == 422 and r.json()["detail"] == "path: Input should be a valid string (got 5)"
+        assert r.json()["error"] == {"message": r.json()["detail"], "type": "invalid_request_error", "code": 422}
         got = exported(gw.metrics)
     assert {status: got[f'ppo_logprobs_requests_total{{replica="replica-a",status="{status}"}}']
             for status in ("200", "401", "422")} == {"200": 1, "401": 1, "422": 1}

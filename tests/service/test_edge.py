@@ -82,7 +82,8 @@ def test_a_path_before_any_route_is_503_with_retry_after(started):
     s.sendall(b"POST /logprobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
     head, _, body = answer(s).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
-    assert json.loads(body) == {"detail": "the service is starting: retry"}
+    assert json.loads(body) == {"detail": "the service is starting: retry", "error": {
+        "message": "the service is starting: retry", "type": "service_unavailable_error", "code": 503}}
 
 
 @pytest.mark.parametrize("sent", [b"", b"POST /logprobs HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
