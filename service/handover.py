@@ -78,24 +78,29 @@ class Handover:
         task.add_done_callback(self.sending.discard)
 
     async def _joined(self, call: list[tuple[ScoreRequest, asyncio.Future]]) -> None:
-        if len(call) == 1:
-            await self._answer(*call[0])
-            return
         try:
-            result, waited = await self._call(ScoreRequest.concat([r for r, _ in call]))
-        except (Overloaded, WorkersTimedOut) as e:  # (one at a time would fare no better)
+            if len(call) == 1:
+                await self._answer(*call[0])
+                return
+            try:
+                result, waited = await self._call(ScoreRequest.concat([r for r, _ in call]))
+            except (Overloaded, WorkersTimedOut) as e:  # (one at a time would fare no better)
+                for _, future in call:
+                    if not future.done():
+                        future.set_exception(e)
+                return
+            except Exception:  # each alone, so that whatever failed reaches only its own request
+                await asyncio.gather(*(self._answer(r, f) for r, f in call))
+                return
+            at = 0
+            for request, future in call:
+                if not future.done():
+                    future.set_result((result.span(at, at + len(request)).fit(request), waited))
+                at += len(request)
+        finally:  # (whatever happened above, no request is left waiting)
             for _, future in call:
                 if not future.done():
-                    future.set_exception(e)
-            return
-        except Exception:  # each alone, so that whatever failed reaches only its own request
-            await asyncio.gather(*(self._answer(r, f) for r, f in call))
-            return
-        at = 0
-        for request, future in call:
-            if not future.done():
-                future.set_result((result.span(at, at + len(request)).fit(request), waited))
-            at += len(request)
+                    future.set_exception(RuntimeError("the hand-over's call ended without an answer"))
 
     async def _answer(self, request: ScoreRequest, future: asyncio.Future) -> None:
         try:

@@ -476,7 +476,7 @@ def test_openai_clients_list_retrieve_and_score(server, checkpoint):
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("nope")
     assert "'nope' is not served; served: policy, reference" in missing.value.message  # (OpenAI's error object)
-    assert missing.value.type == "not_found_error" and missing.value.code == 404
+    assert missing.value.type == "not_found_error" and str(missing.value.code) == "404"
     seq = [5, 17, 300, 42, 7]
     # (the reference: the policy's weights are another test's reload)
     completion = client.completions.create(model="reference", prompt=seq, echo=True, logprobs=5, max_tokens=0)
