@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     )
     request_timeout_s: float = Field(300.0, gt=0, description="a worker call not answered by then fails with 503")
     access_log: bool = Field(False, description="Serve's access log: a line a request in each ingress replica's log "
-                             "file (its CPU is a tenth of a replica's a request; /metrics counts answers by status)")
+                             "file (about a tenth of a replica's CPU a request, profiled; /metrics counts answers "
+                             "by status)")
     pool_name: str | None = Field(
         "ppo_logprobs", description="pools are named '<pool_name>:<model>' (detached) for trainers' connect_pool"
     )
