@@ -31,7 +31,7 @@ def _tiny_model(attn_implementation: str | None) -> nn.Module:
 def load_model(
     name_or_path: str,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     attn_implementation: str | None = None,
     backend: Backend = "auto",
@@ -50,6 +50,11 @@ def load_model(
     pool's rank joins its group later; it scores only then). `invariant=False`: the fast mode (patch_model's
     invariant, and cuBLAS's process-wide defaults back: docs/exactness.md).
     """
+    if isinstance(dtype, str):  # ("bfloat16", as HF and the service's settings name it)
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32')")
+        dtype = named
     if process_group is not None:
         shard = (process_group.rank(), process_group.size())
     if config is None and name_or_path != "tiny":  # (HF would also look in its cache, and blame the network)

@@ -89,6 +89,9 @@ def test_dtype_none_keeps_the_checkpoints_and_a_dtype_converts(tmp_path, shard):
     assert_same_parameters(load_model(bf16, shard=shard), source)
     assert_same_parameters(load_model(bf16, dtype=torch.float32, shard=shard), source.float())  # exact: widening
     assert_same_parameters(load_model(fp32, dtype=torch.bfloat16, shard=shard), fp32_source.to(torch.bfloat16))
+    assert_same_parameters(load_model(fp32, dtype="bfloat16", shard=shard), fp32_source.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype 'bf16' is not a torch dtype"):
+        load_model(fp32, dtype="bf16", shard=shard)
 
 
 def test_a_config_builds_its_model_without_reading_the_path(tmp_path):
