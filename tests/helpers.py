@@ -1,8 +1,13 @@
 """Shared test helpers: random token sequences, the in-process model's own answer, other weights for the tiny
-model and their checkpoint, a free loopback port, a local Ray with the gateway served."""
+model and their checkpoint, a free loopback port, a local Ray with the gateway served, a `ppo-logprobs serve`
+process waited for and stopped."""
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import time
 
 import numpy as np
 import ray
@@ -87,6 +92,33 @@ def serving(num_cpus, apps):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log, timeout_s: float = 240) -> None:
+    """Returns once the service at `url` answers /readyz 200; fails with the end of its `log` (a Path) if its
+    process ends first or `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+
+
+def stop_service(proc: subprocess.Popen) -> None:
+    """SIGTERM, as an operator stops it; its process group killed if it has not exited within 120 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def scoring_now(worker, timeout_s: float = 120.0) -> None:

@@ -4,17 +4,16 @@ the node with the worker resource and answers over HTTP on loopback. (Joining a 
 used to kill every worker process: they inherit their raylet's environment, which lacked the service's edge.)"""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
+import psutil
 
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, free_port
+from ..helpers import alone, free_port, stop_service, wait_ready
 
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 
@@ -22,7 +21,10 @@ RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 def test_serve_joins_a_cluster_that_ray_start_began(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1",
-               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")  # (the stop need not drain for 30 s)
+               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2",  # (the stop need not drain for 30 s)
+               # HAProxy's metrics and statistics on ports of their own, not Ray's fixed 9101 and 8404
+               RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()), RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()))
+    haproxies = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"}
     gcs, port = free_port(), free_port()
     head = [*RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=1",
             "--include-dashboard=false", "--disable-usage-stats", "--resources={\"head\": 1}"]
@@ -41,16 +43,7 @@ def test_serve_joins_a_cluster_that_ray_start_began(tmp_path):
                 stdout=out, stderr=subprocess.STDOUT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"},
                 start_new_session=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+        wait_ready(url, proc, log)
         seq = [5, 17, 300, 42, 7]
         r = httpx.post(url + "/logprobs", json={"input_ids": [seq]}, timeout=120)
         assert r.status_code == 200, r.text
@@ -62,9 +55,8 @@ def test_serve_joins_a_cluster_that_ray_start_began(tmp_path):
         assert "KeyError" not in log.read_text()
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_service(proc)
         subprocess.run([*RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        for p in psutil.process_iter(["name"]):  # (the service stopped and `ray stop` done, its HAProxy still ran)
+            if p.info["name"] == "haproxy" and p.pid not in haproxies:
+                p.kill()

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -23,7 +22,7 @@ from ppo_logprobs.service.app import make_fastapi
 from ppo_logprobs.service.edge import OPEN_ROUTES
 from ppo_logprobs.workers.wire import BINARY
 
-from ..helpers import free_port, random_sequences
+from ..helpers import free_port, random_sequences, stop_service, wait_ready
 from .test_gateway import MALFORMED
 
 KEY = {"Authorization": "Bearer s3cret"}
@@ -50,24 +49,10 @@ def served(request, tmp_path_factory):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+        wait_ready(url, proc, log)
         yield url, proc, request.param
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_service(proc)
 
 
 def post(url, body, **kw):
