@@ -94,7 +94,7 @@ class Pieces:
 
     cu_q: Tensor
     max_q: int
-    keys: Keys
+    keys: Keys | None  # (None: each segment attends to itself)
 
     def with_filler(self, real: int, total: int) -> Pieces:
         """The same with a trailing segment of filler rows real..total-1 that attends to itself."""
@@ -102,8 +102,8 @@ class Pieces:
             return self
         n, device = total - real, self.cu_q.device
         tail = torch.tensor([total], dtype=torch.int32, device=device)
-        keys = Keys(torch.cat([self.keys.kv_index, torch.arange(real, total, device=device)]),
-                    torch.cat([self.keys.cu_k, self.keys.cu_k[-1:] + n]), max(self.keys.max_k, n))
+        keys = self.keys and Keys(torch.cat([self.keys.kv_index, torch.arange(real, total, device=device)]),
+                                  torch.cat([self.keys.cu_k, self.keys.cu_k[-1:] + n]), max(self.keys.max_k, n))
         return Pieces(torch.cat([self.cu_q, tail]), max(self.max_q, n), keys)
 
 

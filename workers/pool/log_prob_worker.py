@@ -144,7 +144,7 @@ class LogProbWorker:
                                      on_kept=on_kept)
         self.room: Callable[[int], AbstractContextManager] = lambda tokens: nullcontext()
         self.max_tokens_per_batch = max_tokens_per_batch
-        cuda = str(self.device).startswith("cuda")
+        self.cuda = cuda = str(self.device).startswith("cuda")
         self.layout: Layout = layout or ("packed" if cuda else "padded")
         # Where packed rows run compiled flex_attention (CUDA without varlen attention), it compiles once per row
         # length: rows are padded up to a few bucket lengths so that it compiles a handful of times, not per request.
@@ -152,8 +152,10 @@ class LogProbWorker:
         self.row_buckets = flex if row_buckets is None else row_buckets
         # sequences sharing a prefix of at least this many tokens compute it once (prefixes.py): packed rows
         # attending through varlen attention (or the CPU's reference of it), where the model's attention allows it
-        varlen = self.layout == "packed" and not flex and varlen_attention.model_allows(self.model) is None
-        self.min_shared_prefix = min_shared_prefix if varlen else None
+        # and every packed row goes as pieces (its sequences' bounds and labels from here, so that a forward waits
+        # for nothing on the device and the next can be launched while it runs)
+        self.pieces = self.layout == "packed" and not flex and varlen_attention.model_allows(self.model) is None
+        self.min_shared_prefix = min_shared_prefix if self.pieces else None
         self.stats = dict(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         self.scoring = 0
         if cuda and held_shard(self.model) is None:  # (a rank warms up once in its group)
@@ -170,13 +172,24 @@ class LogProbWorker:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Compiles the Triton kernels (head, norms, rotary, MLP) at start-up, not in the first request's time: a
-        packed row of two short sequences, scored as requests are, with and without entropy."""
+        """Compiles the Triton kernels (head, norms, rotary, MLP, attention) at start-up, not in the first requests'
+        time: a packed row of two short sequences, then (with weights) requests as they come, with and without
+        entropy, whose token and scored counts are and are not multiples of 16 (Triton compiles for each) and one
+        scored entry, beside a group sharing a prompt."""
         ids = torch.zeros(1, 64, dtype=torch.long, device=self.device)
         positions = torch.arange(32, device=self.device).repeat(2)[None]
         for entropy in (True, False):
             self._forward(input_ids=ids, position_ids=positions, temperature=torch.ones(1, 64, device=self.device),
                           scored=torch.arange(8, device=self.device), compute_entropy=entropy)
+        if self.weights_version is None:
+            return
+        asks = [[[2] * 129], [[2] * 144], [[2] * 2], [[2] * 40, [3] * 41]]
+        if self.min_shared_prefix:
+            asks.append([[1] * self.min_shared_prefix + [4], [1] * self.min_shared_prefix + [5, 6]])
+        for seqs in asks:
+            for entropy in (True, False):
+                self.score_request(self.request(seqs, return_entropy=entropy))
+        self.stats.update(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0)
 
     def info(self) -> dict:
         node = None
@@ -238,40 +251,56 @@ class LogProbWorker:
                                   top_k=top_k, token_ids=token_ids)
 
     def score_request(self, request: ScoreRequest) -> ScoreResult:
-        """Scores a validated request (the pool's and the gateway's path). `scoring` counts the calls under way
-        (info() reports it; a test kills a worker once it is)."""
+        """Scores a validated request (the pool's and the gateway's path)."""
+        return self.start(request)()
+
+    def start(self, request: ScoreRequest) -> Callable[[], ScoreResult]:
+        """Launches a validated request's forwards and returns what waits for them and gives its result: on CUDA the
+        caller may prepare and launch more meanwhile (the worker's scheduler launches its next step before it
+        collects this one), since nothing here waits for the device until then. `scoring` counts the requests
+        started and not yet collected (info() reports it; a test kills a worker once it is)."""
         self.scoring += 1
         try:
-            return self._score_request(request)
-        finally:
+            collect = self._start(request)
+        except BaseException:
             self.scoring -= 1
+            raise
+
+        def finish() -> ScoreResult:
+            try:
+                return collect()
+            finally:
+                self.scoring -= 1
+
+        return finish
 
     @torch.no_grad()
-    def _score_request(self, request: ScoreRequest) -> ScoreResult:
+    def _start(self, request: ScoreRequest) -> Callable[[], ScoreResult]:
         if self.weights_version is None:
             raise WeightsUnavailable("this worker was restarted and has not got its weights back yet")
-        lengths = request.lengths
+        version, lengths = self.weights_version, request.lengths
         self.stats["calls"] += 1
         self.stats["tokens"] += int(request.offsets[-1])
         offsets = request.result_offsets()
-        log_probs = np.empty(offsets[-1], dtype=np.float32)
-        entropy = np.empty(offsets[-1], dtype=np.float32) if request.return_entropy else None
-        extras = {}  # what else each entry gives, by the name of the forward's output
+        outputs = dict(log_probs=np.empty(offsets[-1], dtype=np.float32))  # by the name of the forward's output
+        if request.return_entropy:
+            outputs["entropy"] = np.empty(offsets[-1], dtype=np.float32)
         if request.top_k:
             k = request.top_k
-            extras.update(top_log_probs=np.empty((offsets[-1], k), dtype=np.float32),
-                          top_ids=np.empty((offsets[-1], k), dtype=np.int32),
-                          tail_log_prob=np.empty(offsets[-1], dtype=np.float32))
+            outputs.update(top_log_probs=np.empty((offsets[-1], k), dtype=np.float32),
+                           top_ids=np.empty((offsets[-1], k), dtype=np.int32),
+                           tail_log_prob=np.empty(offsets[-1], dtype=np.float32))
         if request.token_ids is not None:
-            extras["candidate_log_probs"] = np.empty((offsets[-1], request.token_ids.shape[1]), dtype=np.float32)
+            outputs["candidate_log_probs"] = np.empty((offsets[-1], request.token_ids.shape[1]), dtype=np.float32)
         computed = lengths.astype(np.float64)  # (shared rows say less)
         limit = self.max_tokens_per_batch
         queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
-        while queue:  # most it may cost
+        launched = []  # most it may cost
+        while queue:
             group, limit = queue.pop()
             sizes = lengths[group]
             try:
-                cost = self._score_group(request, group, limit, offsets, log_probs, entropy, computed, extras)
+                launched.append(self._launch_group(request, group, limit, offsets, outputs))
             except torch.OutOfMemoryError:
                 cost = self._row_cost(request, group, limit)
                 if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
@@ -283,7 +312,20 @@ class LogProbWorker:
                 half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
                 log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
                 queue.extend((part, half) for part in self._split(request, group, half))
-        return ScoreResult(log_probs, entropy, offsets, self.weights_version, computed, **extras)
+
+        def collect() -> ScoreResult:
+            for (dst, take, shares), results, done in launched:
+                if done is not None:
+                    done.synchronize()
+                for name, values in outputs.items():
+                    values[dst] = results[name].numpy()[take]
+                if shares is not None:
+                    computed[list(shares)] = list(shares.values())
+            results = dict(outputs)
+            return ScoreResult(results.pop("log_probs"), results.pop("entropy", None), offsets, version, computed,
+                               **results)
+
+        return collect
 
     def _shares(self, request: ScoreRequest) -> bool:
         """Whether sequences sharing a prefix compute it once here: sharing is on, and every sequence asks for the
@@ -324,25 +366,22 @@ class LogProbWorker:
             return len(lengths) * int(lengths.max())
         return bucket_length(int(lengths.sum()), limit) if self.row_buckets else int(lengths.sum())
 
-    def _score_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                     log_probs: np.ndarray, entropy: np.ndarray | None, computed: np.ndarray,
-                     extras: dict[str, np.ndarray]) -> int:
-        """One forward of these sequences; writes their entries (and, sharing prefixes, their parts of the tokens
-        computed); returns its cost in tokens."""
-        inputs, (dst, take, shares), cost = self._group_inputs(request, group, limit, offsets)
+    def _launch_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
+                      outputs: dict[str, np.ndarray]) -> tuple[tuple, dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """Launches one forward of these sequences: where its entries go (see _group_inputs), its outputs (those
+        named in `outputs`) on their way to the host, and the event after which they are there (None off CUDA)."""
+        inputs, where, cost = self._group_inputs(request, group, limit, offsets)
         with self.room(cost):
-            out = self._forward(**inputs, compute_entropy=entropy is not None, top_k=request.top_k)
-        log_probs[dst] = out.log_probs.cpu().numpy()[take]
-        if entropy is not None:
-            entropy[dst] = out.entropy.cpu().numpy()[take]
-        for name, values in extras.items():
-            values[dst] = getattr(out, name).cpu().numpy()[take]
-        if shares is not None:
-            computed[list(shares)] = list(shares.values())
+            out = self._forward(**inputs, compute_entropy="entropy" in outputs, top_k=request.top_k)
+        results = {name: getattr(out, name).to("cpu", non_blocking=self.cuda) for name in outputs}
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record()
         self.stats["rows"] += 1
         self.stats["computed_tokens"] += cost
         self.stats["max_row_tokens"] = max(self.stats["max_row_tokens"], cost)
-        return cost
+        return where, results, done
 
     def log_probs_with_grad(
         self,
@@ -406,21 +445,28 @@ class LogProbWorker:
         # reach the head (a prompt's positions cost no head GEMM)
         src = ragged_index(at + starts - 1, lengths - starts)
         dst = ragged_index(offsets[:-1][group], lengths - starts)
-        made = {k: torch.from_numpy(v).view(-1, width).to(self.device) for k, v in inputs.items()}
-        made["scored"] = torch.from_numpy(src).to(self.device)
+        made = {k: self._to_device(v).view(-1, width) for k, v in inputs.items()}
+        made["scored"] = self._to_device(src)
+        if self.pieces:  # (what the model would find on the device from positions and ids)
+            cu = np.concatenate([at, [cost]]).astype(np.int32)
+            made.update(pieces=Pieces(self._to_device(cu), int(lengths.max()), None),
+                        scored_labels=self._to_device(ids[src + 1]),
+                        scored_temperature=self._to_device(temperature[src]))
+            del made["temperature"]
         if request.token_ids is not None:  # each scored position its sequence's candidates
-            made["token_ids"] = torch.from_numpy(np.repeat(request.token_ids[group], lengths - starts, axis=0)
-                                                 ).to(self.device)
+            made["token_ids"] = self._to_device(np.repeat(request.token_ids[group], lengths - starts, axis=0))
         return made, (dst, np.arange(dst.size), None), cost
+
+    def _to_device(self, x: np.ndarray) -> torch.Tensor:
+        """x on the worker's device; on CUDA through pinned memory, so that the copy waits for nothing queued."""
+        tensor = torch.from_numpy(x)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.cuda else tensor.to(self.device)
 
     def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray) -> tuple[dict, tuple, int]:
         """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, label, temperature)
         scored once."""
         plan = row_plan(request, trees, offsets)
-
-        def device(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(x).to(self.device)
-
+        device = self._to_device
         lengths_k = np.diff(plan.cu_k)
         pieces = Pieces(device(plan.cu_q), int(np.diff(plan.cu_q).max()),
                         Keys(device(plan.kv_index), device(plan.cu_k), int(lengths_k.max())))

@@ -60,7 +60,8 @@ class PoolWorker:
                                group_timeout_s or GROUP_TIMEOUT_S) if size > 1 else None
         self._scoring = self.ranks or self.worker  # who answers scoring calls
         self._weights = self.ranks or self.worker.weights  # and weight calls
-        self.scheduler = Scheduler(self._scoring.score_request,
+        pipelined = self.ranks is None and self.worker.cuda  # (a step launched while the one before is collected)
+        self.scheduler = Scheduler(self._scoring.score_request, start=self.worker.start if pipelined else None,
                                    step_tokens=STEP_FORWARDS * self.worker.max_tokens_per_batch,
                                    min_shared_prefix=self.worker.min_shared_prefix) if rank == 0 else None
 
@@ -76,7 +77,7 @@ class PoolWorker:
         if self.scheduler is not None:  # its line: what waits, and the steps run
             line = self.scheduler.line
             info.update(queued_requests=len(line), queued_tokens=self.scheduler.queued_tokens(), steps=line.steps,
-                        requests=line.added, step_tokens=line.step_tokens)
+                        requests=line.added, step_tokens=line.step_tokens, idle_s=self.scheduler.idle_s)
         return info
 
     health = info

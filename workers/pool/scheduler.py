@@ -15,6 +15,7 @@ A full line refuses more (Overloaded: a 429 over HTTP) and is the queue a caller
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -166,20 +167,24 @@ class Line:
 class Scheduler:
     """A worker's one line and the thread that runs its steps: `submit(request)` (from any number of caller
     threads) blocks until the request is answered and returns (its ScoreResult, steps waited); `between(fn)` runs
-    `fn` after the step in flight and before the next (a weight commit). `score` runs one step's joined request on
-    the worker. The line holds at most `max_requests` requests, and `max_tokens` tokens of the requests it has not
-    begun (one larger is taken when none waits; a huge request under way keeps no other out); more are refused at
-    once (Overloaded) and the worker goes on with what it has."""
+    `fn` after the steps in flight and before the next (a weight commit). `score` runs one step's joined request
+    on the worker; or `start`, where given, launches it and returns what collects its result: the next step is then
+    formed and launched before this one is collected, so that the device goes on while the host answers one step
+    and prepares the next. The line holds at most `max_requests` requests, and `max_tokens` tokens of the requests
+    it has not begun (one larger is taken when none waits; a huge request under way keeps no other out); more are
+    refused at once (Overloaded) and the worker goes on with what it has."""
 
     def __init__(self, score: Callable[[ScoreRequest], ScoreResult], *, step_tokens: int,
+                 start: Callable[[ScoreRequest], Callable[[], ScoreResult]] | None = None,
                  min_shared_prefix: int | None = None, max_requests: int = 4096, max_tokens: int | None = None,
                  name: str = "scheduler") -> None:
-        self.score = score
+        self.score, self.start = score, start
         self.line = Line(step_tokens, min_shared_prefix)
         self.max_requests = max_requests
         self.max_tokens = max_tokens if max_tokens is not None else 64 * step_tokens
         self._ops: deque[tuple[Callable[[], object], Future]] = deque()
         self._changed = threading.Condition()
+        self.idle_s = 0.0  # the time it has waited with nothing to do
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def queued_tokens(self) -> int:
@@ -198,7 +203,7 @@ class Scheduler:
         return future.result()
 
     def between(self, fn: Callable[[], object]):
-        """fn() in the scheduler's thread between two steps (the step in flight ends first; the line waits)."""
+        """fn() in the scheduler's thread between two steps (the steps in flight end first; the line waits)."""
         future: Future = Future()
         with self._changed:
             self._ops.append((fn, future))
@@ -206,34 +211,60 @@ class Scheduler:
         return future.result()
 
     def _run(self) -> None:
+        flight = None  # the step launched and not yet collected: (its parts, what collects it)
         while True:
             with self._changed:
-                while not self.line.waiting and not self._ops:
-                    self._changed.wait()
-                ops = list(self._ops)
-                self._ops.clear()
-                batch = [] if ops else self.line.take()
+                if not self.line.waiting and not self._ops and flight is None:
+                    idle = time.perf_counter()
+                    while not self.line.waiting and not self._ops:
+                        self._changed.wait()
+                    self.idle_s += time.perf_counter() - idle
+                ops = []
+                if self._ops and flight is None:  # (an op waits for the step in flight)
+                    ops = list(self._ops)
+                    self._ops.clear()
+                batch = [] if self._ops or ops else self.line.take()
             for fn, future in ops:
                 try:
                     future.set_result(fn())
                 except BaseException as e:  # (the caller gets it; the line goes on)
                     future.set_exception(e)
-            if batch:
-                self._step(batch)
+            step = (batch, self._launch(batch)) if batch else None
+            if self.start is not None:  # this one runs while the one before is collected
+                step, flight = flight, step
+            if step:
+                self._step(*step)
 
-    def _step(self, batch: list[tuple[_Waiting, int, int]]) -> None:
-        """One step; when it fails and holds several requests, each request's part again alone, so that a failure
-        (a sequence too large for memory, say) reaches only the request it belongs to."""
-        parts = [batch]
-        while parts:
-            part = parts.pop()
-            joined = ScoreRequest.concat([item.request.span(lo, hi) for item, lo, hi in part])
-            try:
+    def _launch(self, batch: list[tuple[_Waiting, int, int]]) -> Callable[[], ScoreResult]:
+        """The step started (scored at once without `start`); a failure to start is raised when it is collected."""
+        joined = ScoreRequest.concat([item.request.span(lo, hi) for item, lo, hi in batch])
+        try:
+            if self.start is None:
                 result = self.score(joined)
+                return lambda: result
+            return self.start(joined)
+        except Exception as e:
+            error = e
+
+            def failed():
+                raise error
+
+            return failed
+
+    def _step(self, batch: list[tuple[_Waiting, int, int]], collect: Callable[[], ScoreResult]) -> None:
+        """Collects a step; when it failed and holds several requests, each request's part is scored again alone, so
+        that a failure (a sequence too large for memory, say) reaches only the request it belongs to."""
+        parts = [(batch, collect)]
+        while parts:
+            part, collect = parts.pop()
+            try:
+                result = collect()
             except Exception as e:
                 items = list({id(item): item for item, _, _ in part}.values())  # (in order, each once)
                 if len(items) > 1:
-                    parts += [[p for p in part if p[0] is item] for item in items]
+                    for item in items:
+                        mine = [p for p in part if p[0] is item]
+                        parts.append((mine, self._launch(mine)))
                     continue
                 with self._changed:
                     self.line.fail(part, e)

@@ -1,7 +1,8 @@
 """A worker's scheduler alone (threads, no Ray): a scorer in this process answers each step with its sequences'
 own tokens as "log-probs", so every answer shows where it came from. Callers on many threads merged into steps and
 each answered with its own tokens, in order; a huge request beside small ones; the line's limits; a commit between
-steps and a request cut across it; a failure reaching only the request it belongs to."""
+steps and a request cut across it; a failure reaching only the request it belongs to; steps launched while the
+one before is collected (as on CUDA), with a real worker too."""
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,11 +32,16 @@ class Scorer:
         self.entered.release()
         if self.gate is not None:
             assert self.gate.wait(30)
-        if (request.tokens == POISON).any():
-            raise TooLarge("a sequence does not fit")
-        tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, request.scored)]
-        entropy = -tokens.astype(np.float32) if request.return_entropy else None
-        return ScoreResult(tokens.astype(np.float32), entropy, request.result_offsets(), self.version)
+        return own_tokens(request, self.version)
+
+
+def own_tokens(request: ScoreRequest, version: int) -> ScoreResult:
+    """Each scored entry's own token as its "log-prob" (minus it as its entropy); a sequence holding POISON fails."""
+    if (request.tokens == POISON).any():
+        raise TooLarge("a sequence does not fit")
+    tokens = request.tokens[ragged_index(request.offsets[:-1] + request.score_from, request.scored)]
+    entropy = -tokens.astype(np.float32) if request.return_entropy else None
+    return ScoreResult(tokens.astype(np.float32), entropy, request.result_offsets(), version)
 
 
 def request(seqs, starts=1) -> ScoreRequest:
@@ -209,3 +215,70 @@ def test_a_request_whole_in_one_step_gets_its_span_and_entropy_only_if_it_asked(
     check(got_asking, asking)
     assert got_plain.entropy is None  # (the step computed entropy for the other request)
     assert got_asking.entropy.tolist() == [-t for seq in asking for t in seq[1:]]
+
+
+class Launcher(Scorer):
+    """A scorer whose steps are launched (`start`, held by `launch_gate` while set up) and collected later (held by
+    `collect_gate`), as the worker's forwards are on CUDA; `log` records each launch, collection and commit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        self.launch_gate, self.collect_gate = threading.Event(), threading.Event()
+
+    def start(self, request: ScoreRequest):
+        n = len(self.steps)
+        self.log.append(f"launch {n}")
+        self.steps.append(request)
+        self.entered.release()
+        assert self.launch_gate.wait(30)
+
+        def collect():
+            assert self.collect_gate.wait(30)
+            self.log.append(f"collect {n}")
+            return own_tokens(request, self.version)
+
+        return collect
+
+
+def test_with_start_the_next_step_is_launched_before_the_one_in_flight_is_collected_and_a_commit_waits_for_both():
+    scorer = Launcher()
+    scheduler = Scheduler(scorer, start=scorer.start, step_tokens=4096)
+    first, later = sequences(2, 30, seed=60), [sequences(1 + i, 20, seed=61 + i) for i in range(3)]
+    with ThreadPoolExecutor(5) as callers:
+        answers = [callers.submit(scheduler.submit, request(first))]
+        assert scorer.entered.acquire(timeout=30)  # step 0 is being launched
+        answers += [callers.submit(scheduler.submit, request(s)) for s in later]
+        while len(scheduler.line) < 3:
+            threading.Event().wait(0.01)
+        scorer.launch_gate.set()
+        assert scorer.entered.acquire(timeout=30)  # step 1, the three later requests, launched with step 0 in flight
+        committed = callers.submit(scheduler.between, lambda: scorer.log.append("commit"))
+        threading.Event().wait(0.05)
+        assert not committed.done()
+        scorer.collect_gate.set()
+        committed.result(timeout=30)
+        results = [a.result(timeout=30)[0] for a in answers]
+    assert scorer.log == ["launch 0", "launch 1", "collect 0", "collect 1", "commit"]
+    assert len(scorer.steps[1]) == 6  # (the three later requests' sequences)
+    for result, seqs in zip(results, [first, *later], strict=True):
+        check(result, seqs)
+
+
+def test_a_real_worker_started_and_collected_in_turn_answers_each_caller_as_scoring_alone():
+    from ppo_logprobs.workers import LogProbWorker
+
+    worker = LogProbWorker("tiny", layout="packed")
+    scheduler = Scheduler(worker.score_request, start=worker.start, step_tokens=300,
+                          min_shared_prefix=worker.min_shared_prefix)
+    g = np.random.default_rng(70)
+    prompt = g.integers(0, 200, 40).tolist()
+    asks = [[g.integers(0, 200, int(g.integers(3, 60))).tolist() for _ in range(1 + i % 3)] for i in range(12)]
+    asks += [[prompt + g.integers(0, 200, 5).tolist() for _ in range(4)]]  # a GRPO-like group sharing a prompt
+    with ThreadPoolExecutor(len(asks)) as callers:
+        got = list(callers.map(lambda seqs: scheduler.submit(worker.request(seqs))[0], asks))
+    assert scheduler.line.steps > 1
+    for result, seqs in zip(got, asks, strict=True):
+        alone = worker.score_request(worker.request(seqs))
+        np.testing.assert_array_equal(result.log_probs, alone.log_probs)
+        np.testing.assert_array_equal(result.entropy, alone.entropy)
