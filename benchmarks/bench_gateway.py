@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -218,6 +219,24 @@ def direct(pool, requests: list) -> float:
     return sum(map(len, flat)) / (time.perf_counter() - start)
 
 
+TRAINER_SEQUENCES, TRAINER_PROMPT = 64, 128  # a trainer's call: 64 rollouts of 256-1024 tokens, scored after 128
+
+
+def trainer_calls(pool, batch: list[list[int]], stop, spans: list) -> None:
+    """A trainer beside the HTTP load: `pool.compute_log_probs(batch)` one call after another until `stop` is set,
+    each call's (start, end) appended to `spans`."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        pool.compute_log_probs(batch, score_from=TRAINER_PROMPT)
+        spans.append((start, time.perf_counter()))
+
+
+def trainer_rate(spans: list, tokens: int, start: float = 0.0, end: float = float("inf")) -> float:
+    """Tokens/s of the trainer's calls made wholly between start and end (nan when none was)."""
+    inside = [(a, b) for a, b in spans if a >= start and b <= end]
+    return len(inside) * tokens / (inside[-1][1] - inside[0][0]) if inside else float("nan")
+
+
 def run_mode(args) -> list[dict]:
     """One ingress mode, in this process: every replica count and request size, with Ray and Serve started as
     `ppo-logprobs serve` starts them on loopback (service/__main__.py)."""
@@ -267,6 +286,18 @@ def run_mode(args) -> list[dict]:
         direct(pool, reqs)
         note(f"warmed up {size} tokens a request: {warm['requests_per_s']:.0f} requests/s, {warm['failures']} failed")
     base = {size: direct(pool, reqs) for size, reqs in sizes.items()}
+    if args.trainer:  # the trainer alone first (one untimed call: its shapes' first look)
+        g = np.random.default_rng(7)
+        batch = [g.integers(0, pool.vocab_size, g.integers(256, 1025)).tolist() for _ in range(TRAINER_SEQUENCES)]
+        batch_tokens = sum(map(len, batch))
+        pool.compute_log_probs(batch, score_from=TRAINER_PROMPT)
+        spans = []
+        for _ in range(6):
+            start = time.perf_counter()
+            pool.compute_log_probs(batch, score_from=TRAINER_PROMPT)
+            spans.append((start, time.perf_counter()))
+        trainer_alone = trainer_rate(spans, batch_tokens)
+        note(f"the trainer alone: {trainer_alone:.0f} tokens/s")
     for replicas, app in apps.items():
         for size, reqs in sizes.items():
             tokens = sum(len(s) for r in reqs for s in r)
@@ -276,6 +307,21 @@ def run_mode(args) -> list[dict]:
             half = load(f"{url}/{app}", bodies[size][: args.requests // 2], args.client_procs, 4 * args.connections,
                         rate=peak["requests_per_s"] / 2)
             per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
+            beside = {}
+            if args.trainer:  # the same closed loop with the trainer's calls beside it
+                spans, stop = [], threading.Event()
+                thread = threading.Thread(target=trainer_calls, args=(pool, batch, stop, spans))
+                thread.start()
+                threading.Event().wait(1.0)  # (its first call under way)
+                t0 = time.perf_counter()
+                mixed = load(f"{url}/{app}", bodies[size], args.client_procs, args.connections)
+                t1 = time.perf_counter()
+                stop.set()
+                thread.join()
+                beside = dict(trainer_alone_tokens_per_s=trainer_alone,
+                              trainer_tokens_per_s=trainer_rate(spans, batch_tokens, t0, t1),
+                              with_trainer_requests_per_s=mixed["requests_per_s"], with_trainer_p99_ms=mixed["p99_ms"],
+                              failures_with_trainer=mixed["failures"])
             rows.append(dict(
                 ingress=args.ingress, replicas=replicas, request_tokens=size, requests=len(reqs),
                 tokens_per_s=tokens / peak["seconds"], requests_per_s=peak["requests_per_s"],
@@ -285,7 +331,7 @@ def run_mode(args) -> list[dict]:
                 tokens_per_worker_call=per_call, fill=per_call / step_tokens,
                 requests_per_line_request=len(reqs) / max(1, calls1[2] - calls0[2]),
                 replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
-                proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs),
+                proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs), **beside,
             ))
             print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()  # the Ray this process started, with everything in it (Serve's own shutdown drains for 30 s or more)
@@ -342,6 +388,9 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64, help="clients' connections in all")
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--trainer", action="store_true",
+                        help=f"each run again with a trainer beside it (WorkerPool.compute_log_probs of "
+                             f"{TRAINER_SEQUENCES} rollouts of 256-1024 tokens, one call after another)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.answer_sizes:
@@ -370,7 +419,7 @@ def main() -> None:
     if args.workers > 1:
         options["gpus_per_worker"] = f"1/{args.workers} on a GPU"
     out = dict(date=time.strftime("%Y-%m-%d"), host_cpus=os.cpu_count(), non_default_options=options,
-               connections=args.connections, client_procs=args.client_procs, rows=rows)
+               connections=args.connections, client_procs=args.client_procs, trainer_beside=args.trainer, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -383,6 +432,15 @@ def main() -> None:
               f"{r['tokens_per_s']:>9.0f} {r['over_direct']:>7.2f} {r['p99_ms']:>7.1f} {r['half_rate_p99_ms']:>8.1f} "
               f"{r['fill']:>5.2f} {r['requests_per_line_request']:>6.1f} {r['replica_cpu_ms']:>10.2f} "
               f"{r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
+    if args.trainer:
+        print("with a trainer beside the HTTP load (closed loop), against each alone:")
+        print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'req/s':>7} {'alone':>7} {'p99 ms':>7} {'alone':>7} "
+              f"{'trainer tok/s':>13} {'alone':>9}")
+        for r in rows:
+            print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} "
+                  f"{r['with_trainer_requests_per_s']:>7.0f} {r['requests_per_s']:>7.0f} "
+                  f"{r['with_trainer_p99_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['trainer_tokens_per_s']:>13.0f} "
+                  f"{r['trainer_alone_tokens_per_s']:>9.0f}")
 
 
 if __name__ == "__main__":

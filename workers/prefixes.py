@@ -168,6 +168,17 @@ def row_plan(request: ScoreRequest, trees: Forest, result_offsets: np.ndarray) -
                    take.reshape(-1), dst.astype(np.int64))
 
 
+def computed_offsets(request: ScoreRequest, groups: np.ndarray) -> np.ndarray:
+    """Cumulative tokens [n + 1] a forward computes for the request's sequences in order, the prompt a run of
+    neighbours shares (`groups`: neighbour_groups) counted once: a sequence past its run's first costs what it
+    holds beyond the tokens it shares with that first one."""
+    costs = request.lengths.astype(np.int64)
+    seq = lambda i: request.tokens[request.offsets[i] : request.offsets[i + 1]]  # noqa: E731
+    for i in np.flatnonzero(groups != np.arange(len(groups))):
+        costs[i] -= _common(seq(i), seq(int(groups[i])))
+    return np.concatenate([[0], np.cumsum(costs)])
+
+
 def neighbour_groups(request: ScoreRequest, min_shared: int | None) -> np.ndarray:
     """For each sequence, where the run of neighbours it belongs to begins: sequences next to each other that share
     their first `min_shared` tokens (a GRPO group, as requests hold them); each sequence alone without a minimum. A

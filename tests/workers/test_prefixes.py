@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ppo_logprobs.workers.prefixes import forest, row_plan
+from ppo_logprobs.workers.prefixes import computed_offsets, forest, neighbour_groups, row_plan
 from ppo_logprobs.workers.request import ScoreRequest
 
 SYSTEM = list(range(100, 137))  # 37 tokens every sequence but one starts with
@@ -55,6 +55,20 @@ def test_a_prefix_shorter_than_the_minimum_is_not_shared(min_shared):
 def test_identical_sequences_are_computed_once():
     trees = forest(build([SYSTEM, SYSTEM, SYSTEM + [1]]), np.arange(3), 8)
     assert trees.tokens == 38 and trees.leaf[0] == trees.leaf[1] == trees.path(2)[0]
+
+
+def test_a_run_of_neighbours_sharing_a_prompt_counts_it_once_in_the_tokens_computed():
+    """A GRPO group (neighbours sharing SYSTEM + TASK), a sequence sharing only 4 tokens (under the minimum), the
+    same group again after it (a run of its own, with one more copy of its last): each run's prompt once, as its
+    forest computes it (the estimate compares a sequence with its run's first alone: the copy costs its last token)."""
+    group = [SYSTEM + TASK + [1, 2, 3], SYSTEM + TASK + [4], SYSTEM + TASK + [5]]
+    seqs = [*group, SYSTEM[:4] + [9] * 6, *group, SYSTEM + TASK + [5]]
+    request = build(seqs)
+    groups = neighbour_groups(request, 16)
+    assert groups.tolist() == [0, 0, 0, 3, 4, 4, 4, 4]
+    costs = np.diff(computed_offsets(request, groups))
+    assert costs.tolist() == [51, 1, 1, 10, 51, 1, 1, 1]
+    assert costs[:3].sum() == forest(request, np.arange(3), 16).tokens
 
 
 def test_the_row_plan_gives_each_sequence_its_keys_positions_and_entries():

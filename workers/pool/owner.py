@@ -28,7 +28,8 @@ STAGING = "staging"  # the workers' concurrency group (a thread) in which update
 # a worker goes on scoring with the weights it has meanwhile; commits run between scoring calls
 HEALTH = "health"  # and the one in which it answers health checks, beside scoring and staging
 SCORING = "scoring"  # and the callers' scoring calls, each waiting in the worker's line (scheduler.py) for its turn
-SCORING_THREADS = 512  # (callers waiting at once; more wait in Ray's queue, and the line's limits refuse beyond)
+SCORING_CALLS = 4096  # (callers waiting at once, on one event loop; more wait in Ray's queue, and the line's limits
+# refuse beyond)
 READ_DEADLINE_S = 900.0  # the longest a worker may take to read a checkpoint before the update is given up
 
 

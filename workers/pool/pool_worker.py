@@ -5,6 +5,7 @@ made: a process holding only a pool's handles (a gateway's ingress replica) then
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -13,14 +14,13 @@ import time
 import ray
 
 from ..request import ScoreRequest, ScoreResult
-from .owner import HEALTH, SCORING, SCORING_THREADS, STAGING
+from .owner import HEALTH, SCORING, SCORING_CALLS, STAGING
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 KEPT_WAIT_S = 600.0  # how long rank 0 of a tensor-parallel worker waits for the other ranks' local copies
-STEP_FORWARDS = 4  # a scheduler step holds up to this many forwards' tokens (max_tokens_per_batch each), counted
-# before shared prompts are taken out: a GRPO group computes well under its length
+LINE_TOKENS = 1 << 22  # tokens of requests not yet begun that a worker's line holds before it refuses more
 
 
 class PoolWorker:
@@ -62,14 +62,17 @@ class PoolWorker:
         self._weights = self.ranks or self.worker.weights  # and weight calls
         pipelined = self.ranks is None and self.worker.cuda  # (a step launched while the one before is collected)
         self.scheduler = Scheduler(self._scoring.score_request, start=self.worker.start if pipelined else None,
-                                   step_tokens=STEP_FORWARDS * self.worker.max_tokens_per_batch,
+                                   step_tokens=self.worker.max_tokens_per_batch, max_tokens=LINE_TOKENS,
                                    min_shared_prefix=self.worker.min_shared_prefix) if rank == 0 else None
 
     @ray.method(concurrency_group=SCORING)
-    def score_request(self, request: ScoreRequest) -> ScoreResult:
-        if self.scheduler is None:
-            return self._scoring.score_request(request)
-        result, result.steps_waited = self.scheduler.submit(request)
+    async def score_request(self, request: ScoreRequest) -> ScoreResult:
+        ## NB: the callers' calls wait on one event loop, not on a thread each. The scheduler's thread launches a
+        # forward as hundreds of torch calls, each letting go of the GIL: with hundreds of caller threads waking to
+        # answer, each call waited for the GIL behind them, and a step's launch took many times its own CPU time.
+        if self.scheduler is None:  # (another rank's part of rank 0's step)
+            return await asyncio.to_thread(self._scoring.score_request, request)
+        result, result.steps_waited = await self.scheduler.answer(request)
         return result
 
     def info(self) -> dict:
@@ -161,5 +164,5 @@ class PoolWorker:
 
 def actor_class(cls: type = PoolWorker):
     """The Ray actor class of `cls` (PoolWorker, or a test's subclass): updates stage, and health checks answer,
-    beside scoring; the callers' scoring calls wait in the worker's line, each on a thread of its own."""
-    return ray.remote(concurrency_groups={STAGING: 1, HEALTH: 1, SCORING: SCORING_THREADS})(cls)
+    beside scoring (each group on a thread of its own); the callers' scoring calls wait in the worker's line."""
+    return ray.remote(concurrency_groups={STAGING: 1, HEALTH: 1, SCORING: SCORING_CALLS})(cls)

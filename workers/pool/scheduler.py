@@ -1,9 +1,10 @@
 """A worker's scheduler: every caller's requests (each ingress replica's, each trainer's through its WorkerPool)
 wait in one line at the worker, and each forward step is formed from what is waiting when the last one ends: up
-to `step_tokens` tokens from the waiting requests in turn. A request larger than a step is cut and its parts
-interleave with the others (one that still has sequences left goes to the back of the line), so a request waits
-about one step before its first part runs, however large the requests ahead of it. Results do not depend on
-what shares a forward (the model's forward is batch-invariant), so merging any waiting requests costs nothing.
+to `step_tokens` tokens computed (one forward's; a prompt its neighbours share counted once) from the waiting
+requests in turn. A request larger than a step is cut and its parts interleave with the others (one that still has
+sequences left goes to the back of the line), so a request waits about one step before its first part runs, however
+large the requests ahead of it. Results do not depend on what shares a forward (the model's forward is
+batch-invariant), so merging any waiting requests costs nothing.
 
 Weights change between steps (`between`), never during one: each step's answer is of one version, and a request
 whose parts came back with different versions has its older parts scored again (VERSION_ATTEMPTS times at most).
@@ -14,6 +15,7 @@ A full line refuses more (Overloaded: a 429 over HTTP) and is the queue a caller
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import deque
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import Overloaded, WeightsChanged
-from ..prefixes import neighbour_groups
+from ..prefixes import computed_offsets, neighbour_groups
 from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
 
 
@@ -34,6 +36,7 @@ class _Waiting:
     future: Future
     queued_at: int  # steps started when it was queued
     groups: np.ndarray  # where each sequence's run of neighbours sharing a prompt begins
+    computed: np.ndarray  # cumulative tokens its sequences compute (prefixes.computed_offsets)
     todo: deque = field(default_factory=deque)  # (lo, hi) ranges of its sequences not yet sent
     parts: list = field(default_factory=list)  # (lo, hi, ScoreResult) received
     steps_waited: int | None = None  # steps started after it was queued and before its first
@@ -56,7 +59,8 @@ class Line:
         return len(self.waiting)
 
     def add(self, request: ScoreRequest, future) -> _Waiting:
-        item = _Waiting(request, future, self.steps, neighbour_groups(request, self.min_shared_prefix))
+        groups = neighbour_groups(request, self.min_shared_prefix)
+        item = _Waiting(request, future, self.steps, groups, computed_offsets(request, groups))
         item.todo.append((0, len(request)))
         self.waiting.append(item)
         self.added += 1
@@ -67,10 +71,10 @@ class Line:
         return sum(int(w.request.offsets[hi] - w.request.offsets[lo]) for w in self.waiting for lo, hi in w.todo)
 
     def take(self) -> list[tuple[_Waiting, int, int]]:
-        """The next step: up to step_tokens tokens from the waiting requests in turn, all asking for one top_k (a
-        tail's mass depends on its k). Requests not yet begun come first, in up to half the room while begun ones
-        wait (so a request that comes while a huge one is under way runs in the next step, and the huge one still
-        goes on); the begun ones then fill the room. A step holds at least one sequence, and the whole run of
+        """The next step: up to step_tokens tokens computed from the waiting requests in turn, all asking for one
+        top_k (a tail's mass depends on its k). Requests not yet begun come first, in up to half the room while
+        begun ones wait (so a request that comes while a huge one is under way runs in the next step, and the huge
+        one still goes on); the begun ones then fill the room. A step holds at least one sequence, and the whole run of
         sequences sharing a prompt that begins it (the worker splits a run too large for one forward itself,
         sharing in each part)."""
         batch: list[tuple[_Waiting, int, int]] = []
@@ -91,13 +95,21 @@ class Line:
                     batch and item.request.top_k != batch[0][0].request.top_k):
                 kept.append(item)
                 continue
-            offsets, groups = item.request.offsets, item.groups
+            offsets, groups, lengths = item.computed, item.groups, item.request.lengths
             while item.todo and room > 0:
                 lo, hi = item.todo[0]
-                end = min(hi, int(np.searchsorted(offsets, offsets[lo] + room, side="right")) - 1)
-                inside = end < hi and lo < groups[end] < end  # the cut would split a run begun in this span
+                again = int(lengths[lo] - (offsets[lo + 1] - offsets[lo]))  # (a part begun inside a run computes
+                # the prompt it shares again)
+                end = min(hi, int(np.searchsorted(offsets, offsets[lo] + room - again, side="right")) - 1)
+                inside = end < hi and groups[end] < end  # the cut would split a run sharing a prompt
                 if inside:
-                    end = int(groups[end])  # (the run goes whole in a later step)
+                    head = int(groups[end])
+                    if head > lo:
+                        end = head  # (the run goes whole in a later step)
+                    elif head == lo and self._run_tokens(item, lo) <= self.step_tokens:
+                        end = lo  # (the run begun here goes whole in the next step)
+                    else:
+                        inside = False  # (a run larger than a step: cut where the budget falls)
                 if end <= lo:
                     if batch:
                         break
@@ -107,8 +119,8 @@ class Line:
                 batch.append((item, lo, end))
                 if item.steps_waited is None:
                     item.steps_waited = self.steps - item.queued_at
-                    self.fresh_tokens -= int(offsets[-1])
-                room -= int(offsets[end] - offsets[lo])
+                    self.fresh_tokens -= int(item.request.offsets[-1])
+                room -= int(offsets[end] - offsets[lo]) + again
                 item.todo[0] = (end, hi)
                 if end == hi:
                     item.todo.popleft()
@@ -118,6 +130,14 @@ class Line:
                 self.waiting.append(item)  # to the back of the line
         self.waiting.extendleft(reversed(kept))
         return room
+
+    @staticmethod
+    def _run_tokens(item: _Waiting, head: int) -> int:
+        """Tokens computed by the run of sequences sharing a prompt that begins at `head`."""
+        stop = head + 1
+        while stop < len(item.groups) and item.groups[stop] == head:
+            stop += 1
+        return int(item.computed[stop] - item.computed[head])
 
     def answer(self, batch: list[tuple[_Waiting, int, int]], result: ScoreResult) -> None:
         """Hands each request its part of a step's result (parts answered with older weights are queued again)."""
@@ -166,7 +186,8 @@ class Line:
 
 class Scheduler:
     """A worker's one line and the thread that runs its steps: `submit(request)` (from any number of caller
-    threads) blocks until the request is answered and returns (its ScoreResult, steps waited); `between(fn)` runs
+    threads) blocks until the request is answered and returns (its ScoreResult, steps waited), and `answer(request)`
+    is the same awaited from an event loop (the actor's: see PoolWorker.score_request); `between(fn)` runs
     `fn` after the steps in flight and before the next (a weight commit). `score` runs one step's joined request
     on the worker; or `start`, where given, launches it and returns what collects its result: the next step is then
     formed and launched before this one is collected, so that the device goes on while the host answers one step
@@ -192,6 +213,15 @@ class Scheduler:
             return self.line.queued_tokens()
 
     def submit(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
+        return self._queue(request).result()
+
+    async def answer(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
+        # (shielded: a caller that stops waiting leaves its request to be answered in turn, never a future the line
+        # finds cancelled)
+        return await asyncio.shield(asyncio.wrap_future(self._queue(request)))
+
+    def _queue(self, request: ScoreRequest) -> Future:
+        """The request in the line (or Overloaded at once); the future its answer comes to."""
         future: Future = Future()
         tokens = int(request.offsets[-1])
         with self._changed:
@@ -200,7 +230,7 @@ class Scheduler:
                 raise Overloaded(retry_after=1.0)
             self.line.add(request, future)
             self._changed.notify()
-        return future.result()
+        return future
 
     def between(self, fn: Callable[[], object]):
         """fn() in the scheduler's thread between two steps (the steps in flight end first; the line waits)."""

@@ -78,6 +78,36 @@ def test_many_callers_are_merged_into_steps_and_each_gets_its_own_answer_in_orde
     assert scheduler.line.queued_tokens() == 0 and not scheduler.line.waiting
 
 
+def test_callers_awaiting_on_one_event_loop_each_get_their_own_answer_and_one_that_stops_waiting_harms_none():
+    """`answer` (the actor's path: every caller a coroutine on one loop): merged into steps like threads' calls; a
+    caller cancelled while its request waits leaves it to be answered in turn, and the line goes on."""
+    import asyncio
+
+    scorer = Scorer()
+    scorer.gate = threading.Event()
+    scheduler = Scheduler(scorer, step_tokens=8192)
+    asks = [sequences(1 + i % 3, 10 + i, seed=80 + i) for i in range(24)]
+
+    async def run():
+        tasks = [asyncio.create_task(scheduler.answer(request(asks[0])))]
+        while not scorer.entered.acquire(blocking=False):  # the first caller's step runs, held by the gate
+            await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(scheduler.answer(request(seqs))) for seqs in asks[1:]]
+        while len(scheduler.line) < len(asks) - 1:
+            await asyncio.sleep(0.01)
+        tasks[5].cancel()
+        scorer.gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    answers = asyncio.run(run())
+    assert isinstance(answers[5], asyncio.CancelledError)
+    for i, (answer, seqs) in enumerate(zip(answers, asks, strict=True)):
+        if i != 5:
+            check(answer[0], seqs)
+    check(scheduler.submit(request(asks[0]))[0], asks[0])  # (the line went on)
+    assert not scheduler.line.waiting
+
+
 def test_a_huge_request_does_not_hold_back_a_small_one_by_more_than_a_step():
     scorer = Scorer()
     scorer.gate = threading.Event()
@@ -184,11 +214,11 @@ def test_a_failing_sequence_fails_only_its_own_request():
 
 
 def test_a_request_is_cut_between_the_runs_of_a_shared_prompt_not_inside_them():
-    """Three runs of three sequences (a prompt of 8 shared tokens, then 2 of their own): steps of 35 tokens take one
-    run each (30 tokens), not 3.5 sequences; a run larger than a step is cut where the budget falls."""
+    """Three runs of three sequences (a prompt of 8 shared tokens, then 2 of their own): a run computes 14 tokens
+    (its prompt once), so steps of 35 take two runs, and steps of 25 one run each (not a run and a half); a run larger
+    than a step is cut where the budget falls, the part begun inside it counting the prompt it computes again."""
     g = np.random.default_rng(5)
-    seqs = [prompt + g.integers(0, 50, 2).tolist() for prompt in (g.integers(0, 50, 8).tolist() for _ in range(3))
-            for _ in range(3)]
+    seqs = [prompt + [50 + i, 60 + i] for prompt in (g.integers(0, 50, 8).tolist() for _ in range(3)) for i in range(3)]
 
     def steps(step_tokens):
         line = Line(step_tokens, min_shared_prefix=8)
@@ -198,8 +228,9 @@ def test_a_request_is_cut_between_the_runs_of_a_shared_prompt_not_inside_them():
             taken += [hi - lo for _, lo, hi in batch]
         return taken
 
-    assert steps(35) == [3, 3, 3]
-    assert steps(25) == [2, 1, 2, 1, 2, 1]
+    assert steps(35) == [6, 3]
+    assert steps(25) == [3, 3, 3]
+    assert steps(12) == [2, 1, 2, 1, 2, 1]
 
 
 def test_a_request_whole_in_one_step_gets_its_span_and_entropy_only_if_it_asked():
@@ -266,9 +297,13 @@ def test_with_start_the_next_step_is_launched_before_the_one_in_flight_is_collec
 
 
 def test_a_real_worker_started_and_collected_in_turn_answers_each_caller_as_scoring_alone():
+    """Bitwise on CUDA in bf16, which runs varlen attention (the tiny model's fp32 runs flex_attention, whose rows are
+    padded to a few bucket lengths: not the invariant path)."""
+    import torch
+
     from ppo_logprobs.workers import LogProbWorker
 
-    worker = LogProbWorker("tiny", layout="packed")
+    worker = LogProbWorker("tiny", layout="packed", **({"dtype": "bfloat16"} if torch.cuda.is_available() else {}))
     scheduler = Scheduler(worker.score_request, start=worker.start, step_tokens=300,
                           min_shared_prefix=worker.min_shared_prefix)
     g = np.random.default_rng(70)
