@@ -153,11 +153,12 @@ def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: floa
     start = time.perf_counter()
     go.set()
     parts = [out.get(timeout=TIMEOUT_S * len(bodies)) for _ in workers]
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
     for w in workers:
         w.join()
     latencies = np.concatenate([p[0] for p in parts]) * 1000
-    return dict(seconds=seconds, requests_per_s=len(bodies) / seconds, failures=sum(p[1] for p in parts),
+    return dict(start=start, end=end, seconds=end - start, requests_per_s=len(bodies) / (end - start),
+                failures=sum(p[1] for p in parts),
                 p50_ms=float(np.percentile(latencies, 50)), p99_ms=float(np.percentile(latencies, 99)),
                 answer_bytes=sum(p[2] for p in parts))
 
@@ -231,10 +232,11 @@ def trainer_calls(pool, batch: list[list[int]], stop, spans: list) -> None:
         spans.append((start, time.perf_counter()))
 
 
-def trainer_rate(spans: list, tokens: int, start: float = 0.0, end: float = float("inf")) -> float:
-    """Tokens/s of the trainer's calls made wholly between start and end (nan when none was)."""
-    inside = [(a, b) for a, b in spans if a >= start and b <= end]
-    return len(inside) * tokens / (inside[-1][1] - inside[0][0]) if inside else float("nan")
+def trainer_rate(spans: list, tokens: int, start: float | None = None, end: float | None = None) -> float:
+    """Tokens/s of the trainer's calls between start and end (by default from its first call's start to its last's
+    end), each call's tokens spread evenly over its time."""
+    start, end = (spans[0][0], spans[-1][1]) if start is None else (start, end)
+    return sum(tokens * max(0.0, min(b, end) - max(a, start)) / (b - a) for a, b in spans) / (end - start)
 
 
 def run_mode(args) -> list[dict]:
@@ -312,14 +314,11 @@ def run_mode(args) -> list[dict]:
                 spans, stop = [], threading.Event()
                 thread = threading.Thread(target=trainer_calls, args=(pool, batch, stop, spans))
                 thread.start()
-                threading.Event().wait(1.0)  # (its first call under way)
-                t0 = time.perf_counter()
-                mixed = load(f"{url}/{app}", bodies[size], args.client_procs, args.connections)
-                t1 = time.perf_counter()
+                mixed = load(f"{url}/{app}", bodies[size] * 2, args.client_procs, args.connections)  # (twice as long)
                 stop.set()
                 thread.join()
                 beside = dict(trainer_alone_tokens_per_s=trainer_alone,
-                              trainer_tokens_per_s=trainer_rate(spans, batch_tokens, t0, t1),
+                              trainer_tokens_per_s=trainer_rate(spans, batch_tokens, mixed["start"], mixed["end"]),
                               with_trainer_requests_per_s=mixed["requests_per_s"], with_trainer_p99_ms=mixed["p99_ms"],
                               failures_with_trainer=mixed["failures"])
             rows.append(dict(

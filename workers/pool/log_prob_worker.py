@@ -186,7 +186,7 @@ class LogProbWorker:
         asks = [[[2] * 129], [[2] * 144], [[2] * 2], [[2] * 40, [3] * 41]]
         if self.min_shared_prefix:
             asks.append([[1] * self.min_shared_prefix + [4], [1] * self.min_shared_prefix + [5, 6]])
-        for seqs in asks:
+        for seqs in (s for s in asks if max(map(len, s)) <= self.max_tokens_per_batch):
             for entropy in (True, False):
                 self.score_request(self.request(seqs, return_entropy=entropy))
         self.stats.update(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0)
