@@ -46,10 +46,10 @@ def test_rows_padded_to_bucket_lengths_give_the_same_results(model):
     assert worker.stats["max_row_tokens"] in (256, 384, 512, 700)
 
 
-def test_warm_up_scores_only_what_fits_and_leaves_no_counts(model):
-    """(It runs at start-up on CUDA: a worker whose forwards hold fewer tokens than its warm-up's longest asks
-    failed to start.)"""
-    worker = LogProbWorker(model, max_tokens_per_batch=100)
+def test_warm_up_scores_only_what_fits_and_leaves_no_counts():
+    """(It runs at start-up on CUDA, and here when asked: a worker whose forwards hold fewer tokens than its
+    warm-up's longest asks failed to start.)"""
+    worker = LogProbWorker("tiny", max_tokens_per_batch=100, backend="torch")
     worker.warm_up()
     assert worker.stats["calls"] == worker.stats["tokens"] == 0
 
