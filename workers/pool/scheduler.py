@@ -72,27 +72,34 @@ class Line:
 
     def take(self) -> list[tuple[_Waiting, int, int]]:
         """The next step: up to step_tokens tokens computed from the waiting requests in turn, all asking for one
-        top_k (a tail's mass depends on its k). Requests not yet begun come first, in up to half the room while
-        begun ones wait (so a request that comes while a huge one is under way runs in the next step, and the huge
-        one still goes on); the begun ones then fill the room. A step holds at least one sequence, and the whole run of
-        sequences sharing a prompt that begins it (the worker splits a run too large for one forward itself,
-        sharing in each part)."""
+        top_k (a tail's mass depends on its k). While requests are under way (begun: those larger than a step), the
+        requests not yet begun come first in up to half the room, the begun ones have the other half, and what is
+        left goes to whatever fits: a request that comes while a huge one is under way runs in the next step, and
+        the huge one goes on at half a step or more however many new ones come. A step holds at least one sequence,
+        and the whole run of sequences sharing a prompt that begins it (the worker splits a run too large for one
+        forward itself, sharing in each part)."""
         batch: list[tuple[_Waiting, int, int]] = []
         begun = any(w.steps_waited is not None for w in self.waiting)
-        room = self._pass(batch, self.step_tokens // 2 if begun else self.step_tokens, fresh=True)
-        self._pass(batch, room + (self.step_tokens - self.step_tokens // 2 if begun else 0), fresh=False)
+        room = self._pass(batch, self.step_tokens // 2 if begun else self.step_tokens, begun=False)
+        if begun:
+            room = self._pass(batch, room + self.step_tokens - self.step_tokens // 2, begun=True)
+        self._pass(batch, room, begun=None)
         if batch:
             self.steps += 1
         return batch
 
-    def _pass(self, batch: list, room: int, fresh: bool) -> int:
-        """One turn through the line (only the requests not yet begun when `fresh`), adding parts to `batch` up to
-        `room` tokens; returns the room left. A request with sequences left goes to the back of the line."""
+    def _pass(self, batch: list, room: int, begun: bool | None) -> int:
+        """One turn through the line (only the requests begun, or only those not yet, unless `begun` is None),
+        adding parts to `batch` up to `room` tokens; returns the room left. A request with sequences left goes to
+        the back of the line. A request not yet begun that a step could hold whole is not cut: it waits for the next
+        step where the room left cannot hold it (so the requests begun are those larger than a step)."""
         kept = []  # the requests passed over keep their places, ahead of those served
         for _ in range(len(self.waiting)):
             item = self.waiting.popleft()
-            if room <= 0 or (fresh and item.steps_waited is not None) or (
-                    batch and item.request.top_k != batch[0][0].request.top_k):
+            whole = int(item.computed[-1])
+            if room <= 0 or (begun is not None and begun != (item.steps_waited is not None)) or (
+                    batch and item.request.top_k != batch[0][0].request.top_k) or (
+                    batch and item.steps_waited is None and room < whole <= self.step_tokens):
                 kept.append(item)
                 continue
             offsets, groups, lengths = item.computed, item.groups, item.request.lengths

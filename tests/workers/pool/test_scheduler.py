@@ -129,6 +129,26 @@ def test_a_huge_request_does_not_hold_back_a_small_one_by_more_than_a_step():
     assert max(firsts) <= 1000 and len(scorer.steps) == 11  # the small one joined the second step's room
 
 
+def test_a_request_a_step_can_hold_is_never_cut_and_a_huge_one_fills_the_room_behind_new_ones():
+    """A huge request under way and requests of 400 tokens coming: each of those goes whole in one step (first, in
+    its half of the room), and every step carries half a step or more of the huge one beside them until it is done:
+    however many new requests come, the one under way goes on at half the rate or more."""
+    line = Line(step_tokens=1000)
+    huge = line.add(request(sequences(50, 100, seed=90)), Future())
+    assert [(lo, hi) for _, lo, hi in line.take()] == [(0, 10)]
+    smalls = [line.add(request(sequences(4, 100, seed=91 + i)), Future()) for i in range(6)]
+    steps = []
+    while batch := line.take():
+        steps.append(batch)
+    for small in smalls:
+        parts = [(lo, hi) for batch in steps for item, lo, hi in batch if item is small]
+        assert parts == [(0, 4)]
+    for batch in steps[: len(steps) - 1]:
+        assert sum(hi - lo for item, lo, hi in batch if item is huge) >= 5  # (its 500 tokens of each step's 1000)
+        assert sum(hi - lo for _, lo, hi in batch) >= 8  # (and the step 800 tokens full or more)
+    assert sum(hi - lo for batch in steps for item, lo, hi in batch if item is huge) == 40
+
+
 def test_a_full_line_refuses_at_once_and_the_worker_goes_on():
     scorer = Scorer()
     scorer.gate = threading.Event()
