@@ -2,7 +2,7 @@
 (or text, with a tokenizer), `echo` with `logprobs: k` (OpenAI's tokens / token_logprobs / top_logprobs /
 text_offset), vLLM's `prompt_logprobs: k` ({token id: {logprob, rank, decoded_token}} per prompt token), and
 `max_tokens` 0 or 1. One generated token is the most likely next token (greedy), from the same pass; longer
-generation is refused, saying so. The scores come from the same batcher as /logprobs."""
+generation is refused, saying so. The scores come through the same hand-over and workers as /logprobs."""
 
 from __future__ import annotations
 

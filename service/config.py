@@ -61,8 +61,8 @@ class Settings(BaseSettings):
         "head); the ingress replicas spread over the nodes, and each node with one runs a Serve proxy"
     )
     ingress_replicas: int | None = Field(
-        None, ge=1, description="HTTP ingress replicas (each batches its own requests; the pools are shared); "
-        "default: a quarter of this host's cores, at least 1",
+        None, ge=1, description="HTTP ingress replicas (each hands its requests to the workers at once; the pools "
+        "are shared); default: a quarter of this host's cores, at least 1",
     )
     ingress: Literal["python", "haproxy"] | None = Field(
         None, description="python: Serve's Python proxy; haproxy: Serve's HAProxy ingress (ray[serve] brings it on "

@@ -56,7 +56,7 @@ class Handover:
         self.calls += 1
         try:
             result = await asyncio.wait_for(self.score(request), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise WorkersTimedOut(f"the workers did not answer within {self.timeout_s:.0f} s (a node down, or "
                                   "overloaded)") from None
         return result, result.steps_waited

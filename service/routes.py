@@ -82,7 +82,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
     try:
         await asyncio.wait_for(receive(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise HTTPException(408, f"the request body did not arrive within {timeout_s:g} s "
                             f"({sum(map(len, chunks))} bytes came)", headers={"Connection": "close"}) from None
     return b"".join(chunks)

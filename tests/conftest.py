@@ -14,35 +14,32 @@ if not torch.cuda.is_available():
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
-# The files that start Ray clusters (`make test` runs them in one pytest process, the rest in another beside it)
-_RAY = ("tests/service/", "tests/workers/pool/", "tests/client/", "tests/deploy/", "tests/examples/",
-        "tests/integrations/")
 
 
-def _ray_processes() -> set[int]:
+def _descendants() -> set[int]:
+    """This pytest process's live descendants (a Ray it started, with its workers; a service it ran)."""
     import psutil
 
     found = set()
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or ())
-        if proc.info["name"] in ("gcs_server", "raylet") or "ray::" in cmdline or "ServeReplica:" in cmdline \
-                or "haproxy" in (proc.info["name"] or ""):
-            found.add(proc.pid)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
     return found
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _ray_gone_after_the_file(request):
-    """After a file that started a Ray cluster, wait until that cluster's processes have exited: ray.shutdown() does
-    not wait for them, and the next file's Ray would otherwise meet them (a second GCS on the machine, for
-    connect_pool() to choose from; a second replica of a deployment's name)."""
-    if not request.node.nodeid.startswith(_RAY):
-        yield
-        return
+def _processes_gone_after_the_file():
+    """After a file, wait until the processes it started have exited: ray.shutdown() does not wait for them, and
+    the next file's Ray would otherwise meet them (a second replica of a deployment's name, a GCS for
+    connect_pool() to choose from). Only this process's own: `make test` runs Ray files in two processes side by
+    side, each file with a Ray of its own."""
     import time
 
-    before = _ray_processes()
+    before = _descendants()
     yield
     deadline = time.monotonic() + 60
-    while _ray_processes() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
+    while _descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -325,7 +325,7 @@ VERSION_ATTEMPTS = 3  # how often a call made of parts asks again those answered
 def stale_parts(versions: Sequence[int]) -> list[int]:
     """The parts (by index) answered with older weights than the newest part: an update landed between them, so
     they are asked again (up to VERSION_ATTEMPTS times), never merged with the newer ones. The one policy of the
-    pool, the gateway's batcher and the HTTP client."""
+    pool, the workers' lines (scheduler.py) and the HTTP client."""
     newest = max(versions)
     return [i for i, v in enumerate(versions) if v != newest]
 

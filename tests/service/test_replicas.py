@@ -85,8 +85,9 @@ def test_both_replicas_answer_and_every_answer_is_right(server, tiny):
 
 
 def test_reloads_through_either_replica(server, tiny, checkpoints):
-    """A reload is seen by every later request through either replica; six reloads sent at once through both get
-    six distinct versions, and each answer sent beside them has the results of the version it names."""
+    """A reload is seen by every later request through either replica; reloads sent at once (six at a time,
+    beside 24 requests, until both replicas have taken some) get distinct versions, and each answer sent beside
+    them has the results of the version it names."""
     paths = list(checkpoints)
     models = {}
     r = httpx.post(server + "/v1/models/policy/reload", json={"path": paths[0]}, timeout=120)
@@ -107,16 +108,22 @@ def test_reloads_through_either_replica(server, tiny, checkpoints):
             scoring = [client.post("/logprobs", json={"input_ids": seqs}) for _ in range(24)]
             return await asyncio.gather(*reloads), await asyncio.gather(*scoring)
 
-    reloads, scoring = asyncio.run(run())
-    assert {r.status_code for r in reloads} == {200}
-    versions = [r.json()["weights_version"] for r in reloads]
-    assert len(set(versions)) == 6 and min(versions) > max(models)
-    assert len({r.headers["X-Replica"] for r in reloads}) == 2
-    models.update({v: checkpoints[paths[i % 2]] for i, v in enumerate(versions)})
     models[0] = tiny
-    for answer in scoring:
-        assert answer.status_code == 200, answer.text
-        right(models[answer.json()["weights_version"]], answer.json(), seqs)
+    reloaded_by = set()
+    for _ in range(4):  # (which replica takes a request is Serve's router's choice: on a busy machine it may keep
+        # to one for a while)
+        reloads, scoring = asyncio.run(run())
+        assert {r.status_code for r in reloads} == {200}
+        versions = [r.json()["weights_version"] for r in reloads]
+        assert len(set(versions)) == 6 and min(versions) > max(models)
+        models.update({v: checkpoints[paths[i % 2]] for i, v in enumerate(versions)})
+        for answer in scoring:
+            assert answer.status_code == 200, answer.text
+            right(models[answer.json()["weights_version"]], answer.json(), seqs)
+        reloaded_by |= {r.headers["X-Replica"] for r in reloads}
+        if len(reloaded_by) == 2:
+            break
+    assert len(reloaded_by) == 2
 
 
 def test_losing_an_ingress_replica_loses_no_answer_and_touches_no_worker(server, checkpoints):

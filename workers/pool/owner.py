@@ -128,7 +128,7 @@ class WeightOwner:
         try:
             return await asyncio.wait_for(staging(worker, "stage_checkpoint").remote(path, version, check),
                                           READ_DEADLINE_S)
-        except (TimeoutError, asyncio.TimeoutError):  # (two classes on Python 3.10, the declared minimum)
+        except TimeoutError:  # (asyncio.wait_for raises the builtin since Python 3.11, the declared minimum)
             raise UpdateFailed(f"a worker did not finish reading the checkpoint {clip(path, 200)!r} within "
                                f"{READ_DEADLINE_S:.0f} s (a hung file system?); nothing changed") from None
 
