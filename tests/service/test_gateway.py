@@ -45,8 +45,8 @@ def server(checkpoint, tokenizer_dir):
                     pool_name="gw-main",
                     max_tokens_per_batch=512)
     # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first, whose
-    # workers' steps are of 4 x 512 tokens); small has its own, since a test deletes that application, which shuts
-    # its pool down
+    # workers' steps are of 512 tokens); small has its own, since a test deletes that application, which shuts its
+    # pool down
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, api_key="s3cret",
                      pool_name="gw-small", ingress_replicas=1)  # (one replica: its /metrics shows its queue)
     big = Settings(models={"policy": "tiny"}, backend="torch", max_tokens_per_batch=512, pool_name="gw-big")
