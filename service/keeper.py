@@ -15,7 +15,7 @@ import json
 import logging
 import time
 
-import ray
+from ppo_logprobs.workers.pool import kv
 
 from .config import Settings
 from .loopback import keep_replica_grpc_on_loopback
@@ -47,7 +47,6 @@ def create_or_attach(settings: Settings, model: str, path: str):
     """The running pool of that name made with the same spec, else a new one (an old one of another spec is shut
     down first)."""
     from ppo_logprobs.workers import WorkerPool
-    from ppo_logprobs.workers.pool.owner import NAMESPACE
 
     name = f"{settings.pool_name}:{model}" if settings.pool_name else None
     spec = pool_spec(settings, path)
@@ -58,7 +57,7 @@ def create_or_attach(settings: Settings, model: str, path: str):
         except ValueError:
             pool = None
         if pool is not None:
-            saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+            saved = kv.get(key)
             if saved is not None and json.loads(saved) == spec:
                 log.info("attached to the running pool %s (version %d)", name, pool.weights_version)
                 return pool
@@ -70,7 +69,7 @@ def create_or_attach(settings: Settings, model: str, path: str):
         max_restarts=settings.max_restarts, **_load_options(settings),
     )
     if name is not None:
-        ray.experimental.internal_kv._internal_kv_put(key, json.dumps(spec), overwrite=True, namespace=NAMESPACE)
+        kv.put(key, json.dumps(spec))
     log.info("serving %s from %s on %d workers", model, path, settings.workers_per_model)
     return pool
 
@@ -121,6 +120,4 @@ class PoolKeeper:
             await asyncio.to_thread(drain, pool)
             await asyncio.to_thread(pool.shutdown)
             if pool.name:
-                from ppo_logprobs.workers.pool.owner import NAMESPACE
-
-                ray.experimental.internal_kv._internal_kv_del(f"spec:{pool.name}", namespace=NAMESPACE)
+                kv.delete(f"spec:{pool.name}")

@@ -20,10 +20,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..errors import BadWeights, UpdateFailed, WeightsUnavailable, cause, clip, non_finite
+from . import kv
+from .kv import NAMESPACE
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "ppo_logprobs"  # the Ray namespace of named pools, and of the owners' saved state
 STAGING = "staging"  # the workers' concurrency group (a thread) in which updates are read or received, so that
 # a worker goes on scoring with the weights it has meanwhile; commits run between scoring calls
 HEALTH = "health"  # and the one in which it answers health checks, beside scoring and staging
@@ -53,7 +54,7 @@ def _update_error(error: BaseException) -> BaseException:
 class WeightOwner:
     def __init__(self, key: str, model: str) -> None:
         self.key = key
-        saved = ray.experimental.internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        saved = kv.get(key)
         state = json.loads(saved) if saved else {"version": 0, "source": {"path": model}}
         self.version: int = state["version"]  # the version every worker serves once its commit landed
         self.source: dict = state["source"]  # {"path": checkpoint} or {"stream": True}
@@ -71,10 +72,10 @@ class WeightOwner:
     def _save(self) -> None:
         state = json.dumps({"version": self.version, "source": self.source,
                             "config": self.config, "names": self.names}, default=str)
-        ray.experimental.internal_kv._internal_kv_put(self.key, state, overwrite=True, namespace=NAMESPACE)
+        kv.put(self.key, state)
 
     def forget(self) -> None:
-        ray.experimental.internal_kv._internal_kv_del(self.key, namespace=NAMESPACE)
+        kv.delete(self.key)
 
     def set_workers(self, workers: list, config: dict, names: list[str] | None = None) -> None:
         self.workers, self.config, self.names = list(workers), config, names
