@@ -16,6 +16,11 @@ from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
 from ppo_logprobs.workers.request import MAX_TOKEN_IDS, MAX_TOP_K, RATIO_BOUNDS
 
 PLACEHOLDER_KEYS = {"CHANGE-ME", "CHANGEME", "CHANGE_ME"}  # a key copied from an example is no secret
+# the dtypes a model computes in, by the names load_model takes (torch's, as HF's config.json writes them), and the
+# head's backends (workers/head/backends.py), checked here before Ray starts: tests/service/test_config.py checks both
+# against torch and the head
+Dtype = Literal["bfloat16", "float16", "float32", "float64", "half", "float", "double"]
+Backend = Literal["auto", "triton", "torch"]
 
 
 class Settings(BaseSettings):
@@ -29,10 +34,11 @@ class Settings(BaseSettings):
         description='served name=checkpoint directory ("tiny": the built-in model); repeat for several, the first is '
         "the default",
     )
-    workers_per_model: int = Field(1, ge=1)
+    workers_per_model: int = Field(1, ge=1, description="workers of each served model, each a Ray actor holding the "
+                                   "whole model (on --gpus-per-worker GPUs)")
     gpus_per_worker: float | None = Field(
-        None, ge=0, description="default: 1 when the cluster has GPUs, else 0; a whole number N > 1 makes each worker "
-        "N tensor-parallel ranks of one GPU each (models larger than one GPU)",
+        None, ge=0, description="GPUs of each worker (null: 1 when the cluster has GPUs, else 0); a whole number N > 1 "
+        "makes each worker N tensor-parallel ranks of one GPU each (models larger than one GPU)",
     )
     worker_resources: dict[str, float] = Field(
         {}, description="custom Ray resources each worker needs, to pin workers to node types"
@@ -41,7 +47,7 @@ class Settings(BaseSettings):
     max_tokens_per_batch: int = Field(16384, ge=1, description="tokens per forward in a worker (max length too)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
-                                          "sharing at least this many first tokens compute them once (None: never)")
+                                          "sharing at least this many first tokens compute them once (null: never)")
     max_top_k: int = Field(64, ge=0, le=MAX_TOP_K, description="the largest top_k a request may ask for (up to "
                            f"{MAX_TOP_K}; each entry of k costs about 16 bytes a token as JSON)")
     max_token_ids: int = Field(MAX_TOKEN_IDS, ge=0, description="candidate ids in one list of a request's token_ids")
@@ -50,23 +56,23 @@ class Settings(BaseSettings):
     tokenizer: str | None = Field(None, description="a tokenizer directory: /v1/completions then takes text prompts "
                                   "and answers token strings (else token ids, written as text)")
     max_body_bytes: int | None = Field(
-        None, ge=1024, description="request body limit, checked before parsing; default: 16 bytes a token + 1 MiB"
+        None, ge=1024, description="request body limit, checked before parsing (null: 16 bytes a token + 1 MiB)"
     )
     max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429 (over all ingress "
                            "replicas: each takes an equal share)")
-    dtype: str | None = Field(None, description="model dtype, e.g. bfloat16; default: the checkpoint's")
-    backend: str = Field("auto", description="the fused head's backend: auto, triton or torch")
+    dtype: Dtype | None = Field(None, description="the models' dtype (null: each checkpoint's own)")
+    backend: Backend = Field("auto", description="the fused head's kernels (auto: triton on CUDA, else torch)")
     gateway_resources: dict[str, float] = Field(
         {}, description="custom Ray resources of the PoolKeeper replica, which owns the pools (e.g. to keep it on the "
         "head); the ingress replicas spread over the nodes, and each node with one runs a Serve proxy"
     )
     ingress_replicas: int | None = Field(
-        None, ge=1, description="HTTP ingress replicas (each hands its requests to the workers at once; the pools "
-        "are shared); default: a quarter of this host's cores, at least 1",
+        None, ge=1, description="HTTP ingress replicas, each handing its requests to the workers at once (the pools "
+        "are shared); null: a quarter of this host's cores, at least 1",
     )
     ingress: Literal["python", "haproxy"] | None = Field(
         None, description="python: Serve's Python proxy; haproxy: Serve's HAProxy ingress (ray[serve] brings it on "
-        "Linux; on a cluster, RAY_SERVE_ENABLE_HA_PROXY=1 on every node); default: haproxy where it is installed",
+        "Linux; on a cluster, RAY_SERVE_ENABLE_HA_PROXY=1 on every node); null: haproxy where it is installed",
     )
     body_timeout_s: float = Field(10.0, gt=0, description="a request's headers (at HAProxy), then its body (at the "
                                   "replica), not read whole by then are answered 408")
@@ -92,8 +98,8 @@ class Settings(BaseSettings):
     )
     api_key: CliSuppress[SecretStr | None] = Field(None, description="from PPO_LOGPROBS_API_KEY; empty: no key")
     api_key_file: Path | None = Field(None, description="a file holding the API key (instead of the environment)")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="the address HTTP is served on (any but loopback needs an API key)")
+    port: int = Field(8000, ge=1, le=65535, description="the HTTP port")
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

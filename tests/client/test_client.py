@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -432,9 +433,16 @@ def test_bench_command(url):
     (["serve"], "--model"),
 ])
 def test_help_of_each_command(command, expected):
+    """Every option of every command says what it is, and its default once (serve's come from Settings)."""
     done = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0 and expected in done.stdout
+    options = re.split(r"\n(?=  -)", done.stdout.split("\noptions:\n", 1)[1].strip("\n"))
+    assert len(options) > 1 or command == []
+    for option in options:  # its flags, then its help on that line or the next ones
+        flags, text = (re.split(r"\s{2,}", option.strip(), maxsplit=1) + [""])[:2]
+        assert text and not text.startswith("(default"), f"{flags}: no help"
+        assert text.count("default:") <= 1, f"{flags}: the default said twice: {text}"
 
 
 def test_a_request_is_cut_between_groups_of_a_shared_prompt_not_inside_them():

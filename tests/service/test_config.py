@@ -1,6 +1,7 @@
 """Settings and the serve command line: flags generated from Settings, the API key kept secret."""
 
 import re
+from typing import get_args
 
 import pytest
 
@@ -42,3 +43,20 @@ def test_serve_flags_come_from_settings(capsys):
     for name in Settings.model_fields:
         flag = re.search("--" + name.replace("_", "-") + r"(?![-\w])", usage)
         assert bool(flag) == (name != "api_key"), name
+
+
+def test_dtype_and_backend_are_the_names_the_workers_take():
+    """Checked with the other settings, before Ray starts (config.py imports no torch): each dtype name is a
+    floating-point dtype of torch (what load_model looks up), and the backends are the head's."""
+    import torch
+
+    from ppo_logprobs.service.config import Backend, Dtype
+    from ppo_logprobs.workers.head import Backend as HeadBackend
+
+    for name in get_args(Dtype):
+        assert isinstance(getattr(torch, name), torch.dtype) and getattr(torch, name).is_floating_point, name
+    assert set(get_args(Backend)) == set(get_args(HeadBackend))
+    assert Settings(dtype="bfloat16", backend="triton").dtype == "bfloat16"
+    for field, value in (("dtype", "bf16"), ("dtype", "Tensor"), ("backend", "foo")):
+        with pytest.raises(ValueError, match=f"{field}\n  Input should be"):
+            Settings(**{field: value})

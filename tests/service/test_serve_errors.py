@@ -29,6 +29,9 @@ def serve(*args, **env):
     (["--tokenizer", "/no/such/dir"], {}, "--tokenizer /no/such/dir: no directory '/no/such/dir'"),
     (["--tokenizer", "/"], {}, "--tokenizer /: cannot load a tokenizer from it"),
     (["--max-queue", "x"], {}, "--max-queue: Input should be a valid integer"),
+    (["--dtype", "bf16"], {}, "--dtype: Input should be 'bfloat16', 'float16', 'float32', 'float64', 'half', 'float' "
+     "or 'double' (got 'bf16')"),
+    (["--backend", "foo"], {}, "--backend: Input should be 'auto', 'triton' or 'torch' (got 'foo')"),
     (["--api-key", "k"], {}, "the API key is read from PPO_LOGPROBS_API_KEY or --api-key-file, never from a flag"),
 ])
 def test_a_mistake_is_one_line_and_exit_code_2(args, env, line):
