@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,6 +112,29 @@ def preflight(settings: Settings) -> None:
                  "service holds it? choose one with --port")
 
 
+_RAISED = re.compile(r"^(?:\w+\.)*(\w+: .+)$", re.M)  # a traceback's last line: "module.Type: message"
+
+
+def deploy_failure(settings: Settings, app) -> str | None:
+    """Why the application (serve.status()'s overview of it) failed to deploy, in one line; None if it did not. The
+    reason is the last exception its failed deployment's traceback names: the deepest cause, which Ray prints after
+    the remote traceback it came in (a worker's load_model, under the keeper's pool, under the keeper's replica)."""
+    if app is None or app.status != "DEPLOY_FAILED":
+        return None
+    failed = {name: d.message for name, d in app.deployments.items() if d.status == "DEPLOY_FAILED"}
+    if not failed:
+        return f"the service did not start: {app.message:.300}"
+    name = "PoolKeeper" if "PoolKeeper" in failed else next(iter(failed))  # (an ingress replica waits on the keeper)
+    raised = _RAISED.findall(failed[name])
+    reason = raised[-1] if raised else failed[name].strip().splitlines()[0]
+    if name != "PoolKeeper":
+        return f"the service did not start: {name}: {reason:.300}"
+    # the keeper makes every model's pool, named '<pool_name>:<model>' (its workers too): the one that failed, or all
+    named = [m for m in settings.models if len(settings.models) == 1 or f"{settings.pool_name}:{m}:" in failed[name]]
+    flags = " ".join(f"--models {m}={settings.models[m]}" for m in named or settings.models)
+    return f"{flags}: the workers did not start: {reason:.300}"
+
+
 def curl_example(settings: Settings) -> str:
     """A request to paste; it names the key's variable, never the key."""
     body = json.dumps({"model": next(iter(settings.models)), "input_ids": [[1, 2, 3, 4], [5, 6, 7]],
@@ -171,7 +195,15 @@ def serve_until_stopped(settings: Settings) -> None:
                                                    "env_vars": env})
     try:
         serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
-        serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
+        try:
+            serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
+        except RuntimeError:  # it failed to deploy: its reason in one line, after all Ray has to say (its log)
+            reason = deploy_failure(settings, serve.status().applications.get("ppo_logprobs"))
+            if reason is None:
+                raise
+            serve.shutdown()
+            ray.shutdown()
+            fail(reason)
         url = f"http://{settings.host}:{settings.port}"
         log.info("ready on %s (docs at %s/docs). Try:", url, url)
         log.info("  %s", curl_example(settings))

@@ -210,9 +210,11 @@ def build_app(settings: Settings):
     from ray import serve
 
     app = make_fastapi()
+    # a keeper that cannot make its pools (a model that cannot load) fails the deployment at once: Serve's count is
+    # of attempts, 1 is none again (each again reloaded the model, and failed the same way, three times)
     keeper = serve.deployment(
         PoolKeeper, name="PoolKeeper", num_replicas=1, graceful_shutdown_timeout_s=120, health_check_timeout_s=60,
-        ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
+        max_constructor_retry_count=1, ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
     )
 
     import ray

@@ -1,6 +1,6 @@
 """Start-up mistakes of `ppo-logprobs serve`, each ended before Ray starts in one line that names the setting and
 its value, with exit code 2 (they were tracebacks of 19-349 lines, or a service that started and then failed every
-request)."""
+request); a model that cannot load, found only once Ray has started, ends the command the same way."""
 
 import os
 import socket
@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from ..helpers import free_port
 
 SERVE = [sys.executable, "-m", "ppo_logprobs.client.cli", "serve"]
 
@@ -66,3 +68,23 @@ def test_a_checkpoint_that_cannot_load_is_named_before_ray_starts(tmp_path, file
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith(f"ppo-logprobs serve: --models policy={tmp_path}: "), out.stderr
     assert line in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_model_that_cannot_load_stops_the_service_in_one_line(tmp_path):
+    """A checkpoint that passes the checks above but whose weights cannot be read: Ray starts, the keeper's workers
+    fail to load it, and the service stops with the reason as its last line (Serve retried the keeper three times,
+    each loading the model again, and the command ended in a traceback of its own that did not say why)."""
+    from transformers import Qwen2Config
+
+    from ppo_logprobs.workers.models.load_model import TINY_CONFIG
+
+    Qwen2Config(**TINY_CONFIG).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = serve("--models", f"policy={tmp_path}", "--ingress", "python", "--port", str(free_port()),
+                "--backend", "torch", "--pool-name", "cannot-load")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == (
+        f"ppo-logprobs serve: --models policy={tmp_path}: the workers did not start: SafetensorError: Error while "
+        "deserializing header: header too large"), out.stderr[-3000:]
+    # the keeper's replica was started once (Serve's controller logs each failed start with its traceback)
+    assert out.stderr.count("PoolKeeper.initialize_and_get_metadata()") == 1, out.stderr[-3000:]
