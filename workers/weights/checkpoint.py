@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue
 import re
 import stat
 import struct
@@ -22,13 +21,12 @@ from torch import Tensor, nn
 from ..errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint, clip
 from ..sharding import Part, expert_size, held_shard, part_of, part_shape
 from .keep import PARTS_FILE
+from .pinned import CHUNK_BYTES, READ_THREADS, copy_through_pinned, pinned_slots
 from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, rank_parts
 
 _MAX_HEADER = 100 << 20
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
-READ_THREADS = 8
-CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -211,20 +209,6 @@ def _holds_parts(model: nn.Module, path: str) -> bool:
     return True
 
 
-_slots: queue.Queue | None = None  # (pinned buffer, stream, event of its last copy), shared by all loads
-
-
-def pinned_slots(device: torch.device) -> queue.Queue:
-    """READ_THREADS pinned host buffers with a copy stream each, made once per process (pinning is slow)."""
-    global _slots
-    if _slots is None:
-        _slots = queue.Queue()
-        for _ in range(READ_THREADS):
-            buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-            _slots.put((buffer, torch.cuda.Stream(device), None))
-    return _slots
-
-
 def _read_range(fd: int, offset: int, out: memoryview) -> None:
     while out:
         got = os.preadv(fd, [out], offset)
@@ -295,17 +279,8 @@ def read_checkpoint(model: nn.Module, path: str) -> StagedWeights:
         def run(job) -> None:
             fd, offset, nbytes, dtype, dst, columns = job
             if cuda:
-                buf, stream, done = slots.get()
-                try:
-                    if done is not None:
-                        done.synchronize()  # the last copy out of this buffer has finished
-                    _read_range(fd, offset, memoryview(buf.numpy())[:nbytes])
-                    with torch.cuda.stream(stream):
-                        dst.copy_(source(buf[:nbytes], dtype, columns, dst), non_blocking=True)
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                finally:
-                    slots.put((buf, stream, done))
+                copy_through_pinned(slots, nbytes, lambda buf: _read_range(fd, offset, memoryview(buf.numpy())),
+                                    lambda buf: dst.copy_(source(buf, dtype, columns, dst), non_blocking=True))
             elif dtype == dst.dtype and columns is None:
                 _read_range(fd, offset, memoryview(dst.view(torch.uint8).numpy()))
             else:

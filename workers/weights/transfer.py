@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..sharding import take
-from .checkpoint import CHUNK_BYTES, READ_THREADS, pinned_slots
+from .pinned import CHUNK_BYTES, READ_THREADS, copy_through_pinned, pinned_slots
 from .staging import Entry, Layout, StagedWeights
 
 BUCKET_BYTES = 512 << 20
@@ -130,9 +130,9 @@ _copiers: ThreadPoolExecutor | None = None
 
 def copy_from_host(pairs: list[tuple[Tensor, Tensor]]) -> None:
     """dst = src for each (dst: CUDA, contiguous; src: host memory, any dtype) pair, in chunks through the pinned
-    buffers of checkpoint reads, several chunks (of any of the tensors) at once: each converted into a pinned buffer
-    by a thread, then copied to the device on that buffer's stream. The current stream waits for the copies (a
-    pageable host tensor copied straight to the device runs at a fraction of the bus's speed)."""
+    buffers that checkpoint reads use too (pinned.py), several chunks (of any of the tensors) at once: each converted
+    into a pinned buffer by a thread, then copied to the device on that buffer's stream. The current stream waits for
+    the copies."""
     global _copiers
     if _copiers is None:
         _copiers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="host-to-device")
@@ -146,19 +146,9 @@ def copy_from_host(pairs: list[tuple[Tensor, Tensor]]) -> None:
 
     def run(job) -> torch.cuda.Event:
         flat, src, lo, n = job
-        buf, stream, done = slots.get()
-        try:
-            if done is not None:
-                done.synchronize()  # the last copy out of this buffer has finished
-            pinned = buf[: n * flat.element_size()].view(flat.dtype)
-            pinned.copy_(src[lo : lo + n])
-            with torch.cuda.stream(stream):
-                flat[lo : lo + n].copy_(pinned, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            return done
-        finally:
-            slots.put((buf, stream, done))
+        return copy_through_pinned(slots, n * flat.element_size(),
+                                   lambda buf: buf.view(flat.dtype).copy_(src[lo : lo + n]),
+                                   lambda buf: flat[lo : lo + n].copy_(buf.view(flat.dtype), non_blocking=True))
 
     current = torch.cuda.current_stream(device)
     for event in _copiers.map(run, jobs):
