@@ -10,6 +10,7 @@ already contiguous and in the workers' dtype is broadcast straight from it, the 
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from collections.abc import Callable
@@ -55,9 +56,9 @@ def open_group(spec: GroupSpec, rank: int, store: dist.Store | None = None) -> d
         # of the default of tearing the whole process down; the pool then keeps the old weights. A trainer's own
         # setting is left as it is.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+    group = dist.ProcessGroupNCCL(store, rank, spec.world_size, dist.ProcessGroupNCCL.Options())
+    group.set_timeout(timeout)  # (every collective's; NCCL connects at the first, so none ran with the default)
+    return group
 
 
 def serve_store(address: str, timeout_s: float) -> dist.TCPStore:
@@ -260,12 +261,26 @@ def share_handles(sources: list[Tensor], layout: Layout) -> list[tuple[int, tupl
 def receive_shared(shared: list[tuple[int, tuple]]) -> list[tuple[int, Tensor]]:
     """A receiver's side of share_handles: each shared tensor's bytes on this process's device (the same GPU), read
     where they are (StagedWeights.in_place), as (offset into the layout, bytes). They stay mapped while referenced."""
+    device = torch.cuda.current_device()
+    return [(lo, rebuild_on(handle, device)) for lo, handle in shared]
+
+
+## NB: a CUDA IPC handle (reduce_tensor's) names the storage's device by the sender's CUDA index, and the same GPU may
+# have another index in the receiver (each process numbers the GPUs its CUDA_VISIBLE_DEVICES lists). torch has no
+# public call that rebuilds a handle on another index, so the handle, the arguments of rebuild_cuda_tensor in order,
+# is bound to that function's parameters and `storage_device` replaced by name; what this relies on is checked.
+def rebuild_on(handle: tuple, device: int) -> Tensor:
+    """The tensor of a CUDA IPC handle (reduce_tensor(t)[1]) mapped on this process's CUDA device `device`."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    device = torch.cuda.current_device()
-    segments = []
-    for lo, handle in shared:
-        handle = list(handle)
-        handle[6] = device  # the storage's device, as this process numbers it
-        segments.append((lo, rebuild_cuda_tensor(*handle)))
-    return segments
+    try:
+        args = inspect.signature(rebuild_cuda_tensor).bind(*handle).arguments
+    except TypeError as e:
+        raise RuntimeError(f"torch {torch.__version__}: a CUDA IPC handle of {len(handle)} fields does not fit "
+                           f"rebuild_cuda_tensor ({e}); receive_shared needs mending for this torch") from None
+    if not isinstance(args.get("storage_device"), int):
+        raise RuntimeError(f"torch {torch.__version__}: rebuild_cuda_tensor's storage_device is not a device index "
+                           f"in a CUDA IPC handle (got {args.get('storage_device')!r}); receive_shared needs mending "
+                           "for this torch")
+    args["storage_device"] = device  # the storage's device, as this process numbers it
+    return rebuild_cuda_tensor(**args)

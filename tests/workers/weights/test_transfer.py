@@ -1,5 +1,7 @@
 """Streaming a layout over a gloo group: every receiver gets exactly the sender's tensors in its dtypes."""
 
+import inspect
+import re
 import threading
 
 import pytest
@@ -8,11 +10,15 @@ import torch
 from ppo_logprobs.workers.weights.staging import Layout, StagedWeights
 from ppo_logprobs.workers.weights.transfer import (
     GroupSpec,
+    _root0,
     broadcast_tensors,
     buckets,
     open_group,
+    rebuild_on,
+    receive_shared,
     receive_tensors,
     serve_store,
+    share_handles,
 )
 
 
@@ -129,3 +135,69 @@ def test_a_senders_store_listens_on_the_address_it_gives_and_no_other():
         pytest.skip("this machine has no address but loopback")
     with pytest.raises(OSError), socket.create_connection((others[0], store.port), timeout=5):
         pass
+
+
+def test_an_ipc_handle_is_mapped_on_this_processs_device_by_name(monkeypatch):
+    """rebuild_on binds the handle to rebuild_cuda_tensor's parameters and replaces `storage_device` alone; a handle
+    that does not fit this torch's rebuild_cuda_tensor is refused with a message naming the torch version."""
+    import functools
+
+    from torch.multiprocessing import reductions
+
+    calls = []
+    real = reductions.rebuild_cuda_tensor
+
+    @functools.wraps(real)  # (the same signature, read through __wrapped__)
+    def recorded(*args, **kwargs):
+        calls.append(kwargs)
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", recorded)
+    names = list(inspect.signature(real).parameters)
+    handle = tuple(f"field {i}" for i in range(len(names)))
+    handle = handle[:names.index("storage_device")] + (3,) + handle[names.index("storage_device") + 1 :]
+    rebuild_on(handle, 0)
+    assert calls == [{**dict(zip(names, handle, strict=True)), "storage_device": 0}]
+    with pytest.raises(RuntimeError, match=rf"^torch {re.escape(torch.__version__)}: a CUDA IPC handle of"):
+        rebuild_on((*handle, "one too many"), 0)
+    with pytest.raises(RuntimeError, match=rf"^torch {re.escape(torch.__version__)}: .*not a device index"):
+        rebuild_on(tuple("cuda:3" if n == "storage_device" else v for n, v in zip(names, handle, strict=True)), 0)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_an_nccl_group_takes_the_specs_timeout():
+    from datetime import timedelta
+
+    store = serve_store("127.0.0.1", 60)
+    group = open_group(GroupSpec("nccl-timeout", "127.0.0.1", store.port, 1, "nccl", 7.0), 0, store)
+    assert group.options._timeout == timedelta(seconds=7)  # (what set_timeout sets: torch's own name for it)
+    x = torch.arange(5, device="cuda", dtype=torch.float32)
+    group.broadcast([x], _root0()).wait()
+    assert x.tolist() == [0, 1, 2, 3, 4]
+
+
+def _receive_in_another_process(shared, out) -> None:
+    torch.cuda.set_device(0)
+    out.put([(lo, t.cpu().numpy().tobytes()) for lo, t in receive_shared(shared)])  # (plain bytes: this process exits)
+
+
+@pytest.mark.gpu
+@cuda
+def test_tensors_shared_by_ipc_are_read_in_another_process():
+    import torch.multiprocessing as mp
+
+    layout = Layout.of([("a", (7, 5), torch.bfloat16), ("b", (300,), torch.float32)])
+    sources = [torch.randn(7, 5, device="cuda").to(torch.bfloat16), torch.randn(300, device="cuda")]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    child = context.Process(target=_receive_in_another_process, args=(share_handles(sources, layout), out))
+    child.start()
+    got = out.get(timeout=120)
+    child.join(60)
+    assert child.exitcode == 0
+    assert [lo for lo, _ in got] == [e.offset for e in layout.entries]
+    for (_, data), src in zip(got, sources, strict=True):
+        assert data == src.cpu().view(-1).view(torch.uint8).numpy().tobytes()
