@@ -35,7 +35,11 @@ def _read_input(path: str) -> list[dict]:
     """The file's rows, each with its line number; a line that is not a JSON object with input_ids stops the
     command, naming the line (the values themselves are checked against the model by _check)."""
     rows = []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
+    with f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -73,28 +77,45 @@ def _check(rows: list[dict], path: str, vocab_size: int, max_length: int, temper
         raise SystemExit(f"{path}:{line}: {message}") from None
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key-file or PPO_LOGPROBS_API_KEY (never a flag: a command line shows in `ps`)."""
+def _client(kind: type, args: argparse.Namespace):
+    """A client of kind `kind` for --url, with the key from --api-key-file or PPO_LOGPROBS_API_KEY (never a flag: a
+    command line shows in `ps`); a file it cannot read, or a URL or key the client cannot use, stops the command."""
+    key = os.environ.get("PPO_LOGPROBS_API_KEY")
     if args.api_key_file:
-        return Path(args.api_key_file).read_text().strip() or None
-    return os.environ.get("PPO_LOGPROBS_API_KEY") or None
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else "not text"
+            raise SystemExit(f"--api-key-file {args.api_key_file}: cannot read it ({reason})") from None
+    try:
+        return kind(args.url, api_key=key or None)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+
+def _served(models: list, args: argparse.Namespace):
+    """The info of the served model --model names (default: the first served)."""
+    info = next((m for m in models if m.name == args.model), None if args.model else models[0])
+    if info is None:
+        raise SystemExit(f"{args.url} serves no model {args.model!r} (it serves {[m.name for m in models]})")
+    return info
 
 
 def score(args: argparse.Namespace) -> None:
     from .log_prob_client import LogProbClient, LogProbError
 
     rows = _read_input(args.input)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise SystemExit(f"--output {args.output}: no directory {folder!r}")
     done = _completed_lines(args.output)
     if done > len(rows):
         raise SystemExit(f"{args.output} has {done} lines but {args.input} only {len(rows)}: not its output")
-    with LogProbClient(args.url, api_key=_api_key(args)) as client:
+    with _client(LogProbClient, args) as client:
         try:
-            models = client.models()
+            info = _served(client.models(), args)
         except LogProbError as e:
             raise SystemExit(f"{args.url}: {e.detail}") from None
-        info = next((m for m in models if m.name == args.model), None if args.model else models[0])
-        if info is None:
-            raise SystemExit(f"{args.url} serves no model {args.model!r} (it serves {[m.name for m in models]})")
         _check(rows[done:], args.input, info.vocab_size, info.max_length, args.temperature)
         total_tokens = sum(len(r["input_ids"]) for r in rows[done:])
         tokens, start = 0, time.perf_counter()
@@ -128,9 +149,8 @@ def bench(args: argparse.Namespace) -> None:
     from .log_prob_client import AsyncLogProbClient, LogProbError
 
     async def run() -> dict:
-        async with AsyncLogProbClient(args.url, api_key=_api_key(args)) as client:
-            models = await client.models()
-            info = next((m for m in models if m.name == args.model), models[0])
+        async with _client(AsyncLogProbClient, args) as client:
+            info = _served(await client.models(), args)
             g = np.random.default_rng(0)
             requests = [[g.integers(0, info.vocab_size, g.integers(args.min_len, args.max_len + 1)).tolist()
                          for _ in range(args.sequences)] for _ in range(args.requests)]
@@ -153,6 +173,8 @@ def bench(args: argparse.Namespace) -> None:
                         seconds=seconds, requests_per_s=args.requests / seconds, tokens_per_s=tokens / seconds,
                         retries=client.retries)
 
+    if args.min_len > args.max_len:
+        raise SystemExit(f"--min-len {args.min_len} is above --max-len {args.max_len}")
     try:
         figures = asyncio.run(run())
     except LogProbError as e:
@@ -194,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--model", help="served model name (default: the service's first)")
     b.add_argument("--requests", type=int, default=200, help="requests in all")
     b.add_argument("--clients", type=int, default=16, help="requests in flight at once")
-    b.add_argument("--sequences", type=int, default=4, help="per request")
+    b.add_argument("--sequences", type=int, default=4, help="sequences per request")
     b.add_argument("--min-len", type=int, default=64, help="tokens of the shortest sequence")
     b.add_argument("--max-len", type=int, default=512, help="tokens of the longest sequence")
     for q in (p, b):
@@ -206,7 +228,15 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["serve"]:  # the service's own command line, in this process (the client imports no service)
         os.execv(sys.executable, [sys.executable, "-m", "ppo_logprobs.service", *argv[1:]])
     args = parser.parse_args(argv)
-    {"score": score, "bench": bench}[args.command](args)
+    for flag in ("batch_sequences", "requests", "clients", "sequences", "min_len"):
+        if getattr(args, flag, 1) < 1:
+            parser.exit(2, f"--{flag.replace('_', '-')} {getattr(args, flag)}: give 1 or more\n")
+    try:
+        {"score": score, "bench": bench}[args.command](args)
+    except SystemExit as e:  # a mistake (the command's, the input's, the service's answer), said in one line
+        if isinstance(e.code, str):
+            parser.exit(2, e.code + "\n")
+        raise
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """HTTP clients of the gateway (sync and async), and connect_pool for trainers on the same Ray cluster.
 
 Both clients split a batch under the server's per-request token limit and join the results in order, all of one
-weights version (parts answered with older weights than another part are asked again). Scoring
-and reads are retried on transport errors (a dropped connection, a timeout), on 429 and 503 answers, and on a 5xx
-or 404 that Serve's proxy gave instead of the gateway (no X-Replica header: the ingress replica was lost, or a
-proxy that restarted knows no route yet), after their
-Retry-After or an exponential backoff, with random jitter so that many clients do not retry in step; a reload
-(not idempotent), a 4xx and the gateway's own 500 are never retried. Anything that is not retried raises LogProbError
-with the server's message. Results come as float32 bytes (`binary=True`, the default; see workers/wire.py) or
-as JSON text.
+weights version (parts answered with older weights than another part are asked again). Scoring and reads are retried
+on transport errors (a dropped connection, a timeout), on 429 and 503 answers, and on a 5xx or 404 that Serve's proxy
+gave instead of the gateway (no X-Replica header: the ingress replica was lost, or a proxy that restarted knows no
+route yet), after their Retry-After or an exponential backoff, with random jitter so that many clients do not retry in
+step; a reload (not idempotent), a 4xx, the gateway's own 500 and what no retry can change (a URL that is not http(s),
+a request that cannot be sent) are never retried. Anything that is not retried raises LogProbError with the server's
+message. Results come as float32 bytes (`binary=True`, the default; see workers/wire.py) or as JSON text.
 """
 
 from __future__ import annotations
@@ -28,6 +27,9 @@ from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
 RETRY_STATUSES = (429, 503)
+# transport errors no retry can change: a URL that is not http(s) or not a URL, a request that cannot be sent as made
+UNFIXABLE = (httpx.UnsupportedProtocol, httpx.LocalProtocolError, httpx.InvalidURL)
+Outcome = httpx.Response | httpx.TransportError | httpx.InvalidURL  # what one attempt of a call gives
 log = logging.getLogger("ppo_logprobs.client")
 
 
@@ -164,6 +166,14 @@ class _Base:
     def __init__(self, base_url: str, api_key: str | None, timeout: float, max_retries: int, backoff: float,
                  max_request_tokens: int | None, binary: bool) -> None:
         self.base_url = base_url.rstrip("/")
+        try:
+            httpx.URL(self.base_url)
+        except httpx.InvalidURL as e:
+            raise ValueError(f"{base_url!r:.200} is not a URL ({e}): give the service's, e.g. http://127.0.0.1:8000") \
+                from None
+        if api_key and not (api_key.isascii() and api_key.isprintable()):  # (nor would a header carry it)
+            raise ValueError("the API key holds a line break or a character that is not printable ASCII: is its file "
+                             "more than the key?")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         if binary:  # results as float32 bytes (bitwise, ~2.5x smaller than JSON text); errors stay JSON
             self.headers["Accept"] = f"{BINARY}, application/json"
@@ -172,14 +182,16 @@ class _Base:
         self._limits: dict[str | None, int] = {}
         self._reached = False  # whether anything has answered at base_url yet
 
-    def _settle(self, outcome: httpx.Response | httpx.TransportError, attempt: int, retry: bool
-                ) -> tuple[dict | None, float]:
+    def _settle(self, outcome: Outcome, attempt: int, retry: bool) -> tuple[dict | None, float]:
         """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the
         call is to be retried (said on stderr, through logging): Retry-After when the server gave one, else backoff *
         2^attempt, plus up to 25% jitter. A refused connection before anything ever answered is final: nothing
-        listens there (after, it is a service restarting, and retried)."""
+        listens there (after, it is a service restarting, and retried); UNFIXABLE errors are final too."""
         if isinstance(outcome, httpx.ConnectError) and not self._reached:
             raise LogProbError(0, f"nothing listens at {self.base_url} ({outcome}): is the service running?") \
+                from outcome
+        if isinstance(outcome, UNFIXABLE):
+            raise LogProbError(0, f"no request can be sent to {self.base_url} ({type(outcome).__name__}: {outcome})") \
                 from outcome
         self._reached |= isinstance(outcome, httpx.Response)
         transient = isinstance(outcome, httpx.TransportError) or outcome.status_code in RETRY_STATUSES or (
@@ -218,8 +230,8 @@ class LogProbClient(_Base):
     def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
-                outcome: httpx.Response | httpx.TransportError = self._http.request(method, path, json=body)
-            except httpx.TransportError as e:
+                outcome: Outcome = self._http.request(method, path, json=body)
+            except (httpx.TransportError, httpx.InvalidURL) as e:
                 outcome = e
             answer, wait = self._settle(outcome, attempt, retry)
             if answer is not None:
@@ -304,8 +316,8 @@ class AsyncLogProbClient(_Base):
     async def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
         for attempt in range(self.max_retries + 1):
             try:
-                outcome: httpx.Response | httpx.TransportError = await self._http.request(method, path, json=body)
-            except httpx.TransportError as e:
+                outcome: Outcome = await self._http.request(method, path, json=body)
+            except (httpx.TransportError, httpx.InvalidURL) as e:
                 outcome = e
             answer, wait = self._settle(outcome, attempt, retry)
             if answer is not None:

@@ -301,9 +301,62 @@ def test_nothing_listening_fails_at_once_in_one_line(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
     for command in (["score", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")], ["bench"]):
         out = subprocess.run([*CLI, *command, "--url", dead], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(f"{dead}: nothing listens at"), \
+        assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(f"{dead}: nothing listens at"), \
             out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_a_url_no_retry_can_reach_fails_at_once_in_one_line(tmp_path):
+    """A URL that is not http(s) or not a URL at all: no request is retried (UnsupportedProtocol was, 8 times over
+    two minutes), and the commands end in one line."""
+    for url, error in (("notaurl", "UnsupportedProtocol: Request URL is missing an 'http://' or 'https://' protocol"),
+                       ("localhost:8000", "UnsupportedProtocol: Request URL has an unsupported protocol 'localhost://'")):
+        with LogProbClient(url) as client:
+            with pytest.raises(LogProbError, match=f"no request can be sent to {url} \\({error}"):
+                client.score([[1, 2, 3]])
+            assert client.retries == 0
+
+        async def run(url=url):
+            async with AsyncLogProbClient(url) as client:
+                with pytest.raises(LogProbError, match="no request can be sent"):
+                    await client.models()
+                return client.retries
+
+        assert asyncio.run(run()) == 0
+    with pytest.raises(ValueError, match=r"'http://host:abc' is not a URL \(Invalid port: 'abc'\)"):
+        LogProbClient("http://host:abc")
+    for url, line in (("notaurl", "notaurl: no request can be sent to notaurl (UnsupportedProtocol: Request URL is "
+                                  "missing an 'http://' or 'https://' protocol.)"),
+                      ("http://host:abc", "'http://host:abc' is not a URL (Invalid port: 'abc'): give the service's, "
+                                          "e.g. http://127.0.0.1:8000")):
+        out = subprocess.run([*CLI, "bench", "--url", url], capture_output=True, text=True, timeout=60)
+        assert (out.returncode, out.stderr) == (2, line + "\n")
+
+
+@pytest.mark.parametrize("command, line", [
+    (["score", "{tmp}/none.jsonl", "-o", "{tmp}/out.jsonl"], "{tmp}/none.jsonl: cannot read it (No such file or "
+     "directory)"),
+    (["score", "{tmp}/in.jsonl", "-o", "{tmp}/none/out.jsonl"], "--output {tmp}/none/out.jsonl: no directory "
+     "'{tmp}/none'"),
+    (["score", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--api-key-file", "{tmp}/none"], "--api-key-file "
+     "{tmp}/none: cannot read it (No such file or directory)"),
+    (["bench", "--api-key-file", "{tmp}"], "--api-key-file {tmp}: cannot read it (Is a directory)"),
+    (["bench", "--api-key-file", "{tmp}/two-lines"], "the API key holds a line break or a character that is not "
+     "printable ASCII: is its file more than the key?"),
+    (["bench", "--min-len", "65", "--max-len", "64"], "--min-len 65 is above --max-len 64"),
+    (["bench", "--clients", "0"], "--clients 0: give 1 or more"),
+    (["score", "{tmp}/in.jsonl", "-o", "{tmp}/out.jsonl", "--batch-sequences", "0"], "--batch-sequences 0: give 1 or "
+     "more"),
+])
+def test_a_mistake_on_the_command_line_is_one_line_and_exit_code_2(tmp_path, command, line):
+    """Found before any request (nothing need listen at the URL): the one line names the flag or file and the value
+    (they were tracebacks, a bench that never ended with --clients 0, or an output file that failed after scoring)."""
+    (tmp_path / "in.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
+    (tmp_path / "two-lines").write_text("k3y\nk3y\n")
+    command = [part.format(tmp=tmp_path) for part in command]
+    out = subprocess.run([*CLI, *command, "--url", f"http://127.0.0.1:{free_port()}"], capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (2, line.format(tmp=tmp_path) + "\n")
 
 
 def test_a_service_that_answered_and_then_refuses_is_retried_until_it_is_back(url, tiny, caplog):
@@ -396,7 +449,7 @@ def test_score_command_names_the_line_of_bad_input_in_one_line(url, tmp_path, li
     src.write_text('{"input_ids": [1, 2, 3]}\n\n' + line + "\n")
     done = subprocess.run(CLI + ["score", str(src), "-o", str(out), "--url", url], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 1 and done.stderr.strip() == f"{src}:3: {message}", done.stderr
+    assert done.returncode == 2 and done.stderr.strip() == f"{src}:3: {message}", done.stderr
     assert not out.exists() or out.read_text() == ""
 
 
@@ -416,7 +469,7 @@ def test_score_command_takes_the_key_from_the_environment_or_a_file_never_a_flag
     assert refused.returncode == 2 and "unrecognized arguments: --api-key" in refused.stderr
     without = subprocess.run(base + ["-o", str(tmp_path / "d.jsonl")], capture_output=True, text=True, timeout=120,
                              env={k: v for k, v in os.environ.items() if k != "PPO_LOGPROBS_API_KEY"})
-    assert without.returncode == 1 and len(without.stderr.strip().splitlines()) == 1, without.stderr
+    assert without.returncode == 2 and len(without.stderr.strip().splitlines()) == 1, without.stderr
 
 
 def test_bench_command(url):
@@ -425,6 +478,15 @@ def test_bench_command(url):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["requests"] == 12 and report["tokens"] > 0 and report["tokens_per_s"] > 0
+    progress = done.stderr.splitlines()  # (text mode reads each "\r" as a line's end)
+    assert "1/12 requests" in progress and progress[-1] == "12/12 requests", done.stderr[-2000:]
+
+
+def test_bench_command_names_the_served_models_when_asked_for_another(url):
+    """(It benched the first served model instead.)"""
+    done = subprocess.run(CLI + ["bench", "--url", url, "--model", "reference"], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stderr) == (2, f"{url} serves no model 'reference' (it serves ['policy'])\n")
 
 
 @pytest.mark.parametrize("command, expected", [
