@@ -70,19 +70,33 @@ def _answer(detail: str, status: int, headers: dict | None = None) -> JSONRespon
     return JSONResponse(error_body(detail, status), status_code=status, headers=headers)
 
 
-def to_response(exc: BaseException) -> JSONResponse:
+def _answer_of(exc: BaseException) -> tuple[str, int, dict | None]:
+    """(detail, status, headers) of the answer to `exc`; an unexpected error is logged under the id it names."""
     exc = cause(exc)
     if isinstance(exc, HTTPException):
-        return _answer(exc.detail, exc.status_code, exc.headers)
+        return exc.detail, exc.status_code, exc.headers
     if isinstance(exc, (RequestValidationError, ValidationError)):
-        return _answer(one_line(_validation_detail(exc.errors()), 1000), 422)
+        return one_line(_validation_detail(exc.errors()), 1000), 422, None
     if isinstance(exc, Overloaded):
-        return _answer(str(exc), exc.status, {"Retry-After": f"{exc.retry_after:.0f}"})
+        return str(exc), exc.status, {"Retry-After": f"{exc.retry_after:.0f}"}
     if isinstance(exc, ServiceError) and exc.status < 500:  # the caller's fault (the type says so)
-        return _answer(one_line(str(exc)), exc.status)
+        return one_line(str(exc)), exc.status, None
     if (isinstance(exc, ServiceError) and exc.transient) or isinstance(exc, _RAY_TRANSIENT):
         reason = one_line(str(exc), 200) if not isinstance(exc, _RAY_TRANSIENT) else "a worker is restarting"
-        return _answer(f"temporarily unavailable: {reason}; retry", 503, {"Retry-After": "1"})
+        return f"temporarily unavailable: {reason}; retry", 503, {"Retry-After": "1"}
     error_id = uuid.uuid4().hex[:12]
     log.error("error %s: %s", error_id, type(exc).__name__, exc_info=exc)
-    return _answer(f"internal error {error_id} (in the gateway's log)", 500)
+    return f"internal error {error_id} (in the gateway's log)", 500, None
+
+
+def to_response(exc: BaseException) -> JSONResponse:
+    return _answer(*_answer_of(exc))
+
+
+def as_http_exception(exc: BaseException) -> HTTPException:
+    """`exc` as an HTTPException of the same answer, for code whose errors FastAPI handles rather than a route (a
+    dependency): the app answers an HTTPException with to_response, so the client gets what the route would give."""
+    if isinstance(exc, HTTPException):
+        return exc
+    detail, status, headers = _answer_of(exc)
+    return HTTPException(status, detail, headers=headers)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import time
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -18,7 +19,7 @@ from ppo_logprobs.workers.request import ScoreRequest, mismatch, rollout_values
 from ppo_logprobs.workers.wire import BINARY, encode_binary, encode_json
 
 from .completions import CompletionRequest, Refused, answer, prompts_of, scoring_inputs
-from .errors import NonFiniteResults, one_line, to_response
+from .errors import NonFiniteResults, as_http_exception, one_line, to_response
 from .schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -34,8 +35,10 @@ from .schemas import (
 router = APIRouter()
 VERSION = importlib.metadata.version("ppo-logprobs")
 
-## NB: Serve pickles the FastAPI app apart from the ingress class, so the replica's Gateway cannot be put on
-# app.state from its constructor; each replica process holds exactly one, registered here when it starts.
+## NB: Serve pickles the FastAPI app apart from the ingress class, so the replica's Gateway (its ingress instance)
+# cannot be put on app.state from its constructor. The routes read it from the app (`gateway_of`); a replica whose
+# app does not hold one registers its one Gateway here (set_gateway) until service/app.py puts it on app.state
+# (issue 40), when this module global goes.
 _gateway = None
 
 
@@ -48,10 +51,17 @@ def current_gateway():
     return _gateway
 
 
-async def gateway():
-    if _gateway is None:
+def gateway_of(app):
+    """The Gateway the routes of `app` use: `app.state.gateway`, else the one this replica registered (None before
+    it has)."""
+    return getattr(app.state, "gateway", None) or _gateway
+
+
+async def gateway(request: Request):
+    gw = gateway_of(request.app)
+    if gw is None:
         raise HTTPException(503, "the gateway is starting", headers={"Retry-After": "5"})
-    return _gateway
+    return gw
 
 
 GatewayDep = Annotated[object, Depends(gateway)]
@@ -117,22 +127,55 @@ async def off_loop(inline: bool, fn, *args, **kwargs):
     return fn(*args, **kwargs) if inline else await asyncio.to_thread(fn, *args, **kwargs)
 
 
+Schema = TypeVar("Schema", LogProbsRequest, CompletionRequest)
+
+
+@dataclass(frozen=True)
+class Scoring(Generic[Schema]):
+    """A scoring route's request once opened: its body parsed, and the served model it names."""
+
+    gw: Any  # the replica's Gateway (service/app.py)
+    body: Schema
+    name: str
+    model: Any  # the ServedModel of `name` (service/app.py)
+    inline: bool  # small enough to be parsed, checked and encoded on the event loop
+
+
+def opening(schema: type[Schema]):
+    """The dependency that opens a scoring route's request: a JSON content type (415), the body within its size and
+    time limits (413, 408), parsed as `schema` (422), and a served model (404). What it raises is answered as the
+    route's own errors are (errors.to_response)."""
+
+    async def open_request(request: Request, gw: GatewayDep) -> Scoring:
+        try:
+            if media_type(request.headers.get("content-type", "")) != "application/json":
+                # a web page can send text/plain, form or multipart bodies to a loopback service without asking first
+                raise HTTPException(415, "send the body as JSON with 'Content-Type: application/json'")
+            body = await read_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s)
+            inline = len(body) <= _INLINE_BYTES
+            parsed = await off_loop(inline, schema.model_validate_json, body)
+            name, model = served(gw, parsed.model)
+        except Exception as e:
+            raise as_http_exception(e) from None
+        return Scoring(gw, parsed, name, model, inline)
+
+    return open_request
+
+
+LogProbsCall = Annotated[Scoring[LogProbsRequest], Depends(opening(LogProbsRequest))]
+CompletionCall = Annotated[Scoring[CompletionRequest], Depends(opening(CompletionRequest))]
+
+
 _BODY = {"requestBody": {"required": True, "content": {"application/json": {
     "schema": LogProbsRequest.model_json_schema()}}}}
 
 
 @router.post("/logprobs", openapi_extra=_BODY, response_model=LogProbsResponse,
              responses={200: {"content": {BINARY: {}}, "description": "JSON, or BINARY when the Accept header asks"}})
-async def logprobs(request: Request, gw: GatewayDep) -> Response:
+async def logprobs(request: Request, call: LogProbsCall) -> Response:
+    gw, parsed, name, model, inline = call.gw, call.body, call.name, call.model, call.inline
     try:
-        if media_type(request.headers.get("content-type", "")) != "application/json":
-            # a web page can send text/plain, form or multipart bodies to a loopback service without asking first
-            raise HTTPException(415, "send the body as JSON with 'Content-Type: application/json'")
         settings = gw.settings
-        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-        inline = len(body) <= _INLINE_BYTES
-        parsed = await off_loop(inline, LogProbsRequest.model_validate_json, body)
-        name, model = served(gw, parsed.model)
         scores = await off_loop(
             inline, ScoreRequest.build, parsed.input_ids, parsed.score_from, parsed.temperature,
             parsed.return_entropy, vocab_size=model.vocab_size, max_length=settings.max_tokens_per_batch,
@@ -168,17 +211,13 @@ async def logprobs(request: Request, gw: GatewayDep) -> Response:
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, gw: GatewayDep) -> Response:
+async def completions(call: CompletionCall) -> Response:
     """Scoring in the shape of OpenAI's and vLLM's completions (service/completions.py): prompts as token ids (or
     text, with --tokenizer), echo with logprobs: k, prompt_logprobs: k, max_tokens 0 or 1 (the most likely next
     token); anything else it cannot do is a 400 that says so."""
+    gw, parsed, name, model = call.gw, call.body, call.name, call.model
     try:
-        if media_type(request.headers.get("content-type", "")) != "application/json":  # (as /logprobs)
-            raise HTTPException(415, "send the body as JSON with 'Content-Type: application/json'")
         settings = gw.settings
-        body = await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
-        parsed = await off_loop(len(body) <= _INLINE_BYTES, CompletionRequest.model_validate_json, body)
-        name, model = served(gw, parsed.model)
         prompts = await asyncio.to_thread(prompts_of, parsed, gw.tokenizer())
         seqs, temperature, k = scoring_inputs(prompts, parsed, vocab_size=model.vocab_size,
                                               max_length=settings.max_tokens_per_batch, max_top_k=settings.max_top_k)

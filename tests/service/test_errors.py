@@ -6,7 +6,13 @@ import json
 import pytest
 from ray.exceptions import ActorDiedError
 
-from ppo_logprobs.service.errors import NonFiniteResults, Overloaded, WorkersTimedOut, to_response
+from ppo_logprobs.service.errors import (
+    NonFiniteResults,
+    Overloaded,
+    WorkersTimedOut,
+    as_http_exception,
+    to_response,
+)
 from ppo_logprobs.workers import errors
 
 
@@ -50,3 +56,24 @@ def test_the_nature_of_the_errors_the_service_raises():
     assert status == 503 and detail == "temporarily unavailable: a worker is restarting; retry"
     status, detail, _ = answer(KeyError("a bug"))
     assert status == 500 and "a bug" not in detail
+
+
+def test_an_error_raised_as_an_http_exception_gets_the_same_answer():
+    """What a dependency raises reaches the client through the app's HTTPException handler (to_response): the same
+    status, message and headers as the error answered directly; an unexpected one is logged once, under the id the
+    answer names."""
+    from fastapi import HTTPException
+
+    from ppo_logprobs.service.schemas import LogProbsRequest
+
+    try:
+        LogProbsRequest.model_validate_json(b'{"input_ids": "no"}')
+    except Exception as e:
+        invalid = e
+    late = HTTPException(408, "too slow", headers={"Connection": "close"})
+    assert as_http_exception(late) is late
+    for exc in (errors.TooLarge("too long"), invalid, Overloaded(retry_after=3.0), errors.WorkerLost("gone"),
+                ActorDiedError()):
+        assert answer(as_http_exception(exc)) == answer(exc), exc
+    status, detail, _ = answer(as_http_exception(KeyError("a bug")))
+    assert status == 500 and detail.startswith("internal error ") and "a bug" not in detail

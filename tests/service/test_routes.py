@@ -1,4 +1,5 @@
-"""The routes' helpers, without Ray or Serve: the gateway dependency, the
+"""The routes' helpers, without Ray or Serve: the gateway dependency, the scoring routes' opening (content type,
+body, parse, model: the same answers from /logprobs and /v1/completions), the
 content type, the Accept header's ranking, reading a body from a real Starlette request (its size limit, declared
 or streamed, and its time limit), the served model by name, readiness, and where off_loop runs its work."""
 
@@ -8,10 +9,12 @@ import threading
 
 import pytest
 from fastapi import HTTPException
+from fastapi.testclient import TestClient
+from starlette.datastructures import State
 from starlette.requests import Request
 
 from ppo_logprobs.service import Settings
-from ppo_logprobs.service.app import Gateway, ServedModel
+from ppo_logprobs.service.app import Gateway, ServedModel, make_fastapi
 from ppo_logprobs.service.routes import (
     _ready,
     current_gateway,
@@ -59,14 +62,74 @@ def read(request, limit=1024, timeout_s=10.0) -> bytes:
     return asyncio.run(read_body(request, limit, timeout_s))
 
 
+class AppOf:
+    """What the gateway dependency reads of an app: its state."""
+
+    def __init__(self, **state) -> None:
+        self.state = State(state)
+
+
+def request_to(app) -> Request:
+    return Request({"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": [], "app": app})
+
+
 def test_before_the_gateway_is_registered_the_routes_answer_503_with_retry_after():
     with registered(None):
         with pytest.raises(HTTPException) as starting:
-            asyncio.run(gateway())
+            asyncio.run(gateway(request_to(AppOf())))
     assert (starting.value.status_code, starting.value.detail) == (503, "the gateway is starting")
     assert starting.value.headers == {"Retry-After": "5"}
     with registered(Gateway(Settings(), {})) as gw:
-        assert asyncio.run(gateway()) is gw
+        assert asyncio.run(gateway(request_to(AppOf()))) is gw
+
+
+def test_the_routes_use_the_gateway_their_app_holds_before_the_one_registered():
+    held, other = Gateway(Settings(), {}), Gateway(Settings(), {})
+    with registered(other):
+        assert asyncio.run(gateway(request_to(AppOf(gateway=held)))) is held
+    with registered(None):
+        assert asyncio.run(gateway(request_to(AppOf(gateway=held)))) is held
+
+
+class Pool:
+    """A served model's pool that is never reached: each case is answered before any scoring."""
+
+    vocab_size = 503
+
+    async def score(self, request):
+        raise AssertionError("scored")
+
+
+KEY = {"Authorization": "Bearer k"}
+OPENING = [  # (headers, body, status, detail): answered the same by both scoring routes, before any scoring
+    ({"Content-Type": "text/plain"}, b"{}", 415, "send the body as JSON with 'Content-Type: application/json'"),
+    ({}, b"x" * 2001, 413, "the request body has 2001 bytes; the limit is 2000"),
+    ({}, b"{not json", 422, "the body is not valid JSON (key must be a string at line 1 column 2)"),
+    ({}, {"/logprobs": b'{"model": "value", "input_ids": [[1, 2]]}',  # (each valid but for the model)
+          "/v1/completions": b'{"model": "value", "prompt": [1, 2], "echo": true, "logprobs": 1}'}, 404,
+     "model 'value' is not served; served: policy"),
+]
+
+
+@pytest.mark.parametrize("headers, body, status, detail", OPENING, ids=["415", "413", "422", "404"])
+@pytest.mark.parametrize("route", ["/logprobs", "/v1/completions"])
+def test_both_scoring_routes_open_a_request_alike(route, headers, body, status, detail):
+    client = TestClient(make_fastapi(), headers=KEY)
+    gw = Gateway(Settings(api_key="k", max_body_bytes=2000), {"policy": Pool()})
+    with registered(gw):
+        r = client.post(route, content=body[route] if isinstance(body, dict) else body,
+                        headers={"Content-Type": "application/json", **headers})
+    assert (r.status_code, r.json()["detail"]) == (status, detail)
+    assert r.json()["error"]["code"] == status and r.headers["x-replica"] == "local"
+
+
+def test_a_scoring_request_the_schema_refuses_is_a_422_naming_the_field():
+    client = TestClient(make_fastapi(), headers=KEY)
+    with registered(Gateway(Settings(api_key="k"), {"policy": Pool()})):
+        r = client.post("/logprobs", json={"input_ids": "no"})
+        assert r.status_code == 422 and r.json()["detail"].startswith("input_ids: "), r.json()
+        r = client.post("/v1/completions", json={"prompt": [1, 2], "echo": True, "logprobs": 1, "n": "two"})
+        assert r.status_code == 422 and r.json()["detail"].startswith("n: "), r.json()
 
 
 def test_media_type_is_the_type_alone_in_lower_case():
