@@ -23,7 +23,7 @@ from .errors import to_response
 from .handover import Handover
 from .keeper import PoolKeeper
 from .loopback import keep_replica_grpc_on_loopback
-from .routes import current_gateway, router, set_gateway
+from .routes import gateway_of, router
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +172,8 @@ class _Edge:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        gw = current_gateway()
-        if scope["type"] != "http" or gw is None:
+        gw = held_gateway(scope["app"]) if scope["type"] == "http" else None
+        if gw is None:
             return await self.app(scope, receive, send)
 
         async def counted(message) -> None:
@@ -185,6 +185,25 @@ class _Edge:
         refused = refusal(gw.settings, scope)
         app = self.app if refused is None else to_response(HTTPException(refused[0], refused[1], refused[2]))
         await app(scope, receive, counted)
+
+
+def held_gateway(app) -> Gateway | None:
+    """The replica's Gateway, on its app's state (where the routes read it); put there at the first request, from
+    the replica's context: Serve pickles the app apart from the ingress class, whose constructor cannot reach the app
+    it serves. None outside a replica, and before its constructor has ended."""
+    gw = gateway_of(app)
+    if gw is None:
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+
+        try:
+            gw = serve.get_replica_context().servable_object
+        except RayServeException:  # (not in a replica)
+            return None
+        if not isinstance(gw, Gateway):
+            return None
+        app.state.gateway = gw
+    return gw
 
 
 def make_fastapi() -> FastAPI:
@@ -236,7 +255,6 @@ def build_app(settings: Settings):
             context = serve.get_replica_context()
             pools = await keeper.pools.remote()
             super().__init__(settings, pools, replica=context.replica_id.unique_id, replicas=context.world_size)
-            set_gateway(self)
 
     return LogProbsIngress.bind(settings, keeper.bind(settings))
 

@@ -35,26 +35,10 @@ from .schemas import (
 router = APIRouter()
 VERSION = importlib.metadata.version("ppo-logprobs")
 
-## NB: Serve pickles the FastAPI app apart from the ingress class, so the replica's Gateway (its ingress instance)
-# cannot be put on app.state from its constructor. The routes read it from the app (`gateway_of`); a replica whose
-# app does not hold one registers its one Gateway here (set_gateway) until service/app.py puts it on app.state
-# (issue 40), when this module global goes.
-_gateway = None
-
-
-def set_gateway(gw) -> None:
-    global _gateway
-    _gateway = gw
-
-
-def current_gateway():
-    return _gateway
-
-
 def gateway_of(app):
-    """The Gateway the routes of `app` use: `app.state.gateway`, else the one this replica registered (None before
-    it has)."""
-    return getattr(app.state, "gateway", None) or _gateway
+    """The replica's Gateway, which its app holds (`app.state.gateway`, put there by service/app.py's edge at the
+    replica's first request); None before."""
+    return getattr(app.state, "gateway", None)
 
 
 async def gateway(request: Request):

@@ -17,7 +17,7 @@ from ppo_logprobs.workers import LogProbWorker
 from ppo_logprobs.workers.errors import Overloaded
 
 from ..helpers import TINY_VOCAB
-from .test_routes import registered
+from .test_routes import AppOf, client_with
 
 
 def exported(metrics: GatewayMetrics) -> dict[str, float]:
@@ -170,8 +170,10 @@ def test_the_queue_and_the_calls_are_sampled_from_the_hand_over_and_the_fill_fro
     assert [len(result) for result, _ in results] == [2, 3]
 
 
-def http_scope(path="/healthz") -> dict:
-    return {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b""}
+def http_scope(path="/healthz", gw=None) -> dict:
+    """A request's scope to an app whose replica's gateway is `gw` (None: before the replica has one)."""
+    app = AppOf(gateway=gw) if gw is not None else AppOf()
+    return {"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b"", "app": app}
 
 
 async def answer_ok(scope, receive, send) -> None:
@@ -189,17 +191,17 @@ def test_count_counts_each_answer_by_status_and_names_the_replica():
         await _Edge(answer_ok)(scope, None, send)
         return sent
 
-    with registered(Gateway(Settings(api_key=""), {}, replica="replica-a")) as gw:
-        sent = asyncio.run(run(http_scope()))
-        asyncio.run(run(http_scope()))
-        got = exported(gw.metrics)
+    gw = Gateway(Settings(api_key=""), {}, replica="replica-a")
+    sent = asyncio.run(run(http_scope(gw=gw)))
+    asyncio.run(run(http_scope(gw=gw)))
+    got = exported(gw.metrics)
     assert sent == [{"type": "http.response.start", "status": 204,
                      "headers": [(b"x-inner", b"1"), (b"x-replica", b"replica-a")]},
                     {"type": "http.response.body", "body": b""}]
     assert got['ppo_logprobs_requests_total{replica="replica-a",status="204"}'] == 2
 
 
-def test_count_passes_through_what_is_not_http_and_everything_before_the_gateway_is_registered():
+def test_count_passes_through_what_is_not_http_and_everything_before_the_replica_has_its_gateway():
     passed = []
 
     async def inner(scope, receive, send):
@@ -209,31 +211,28 @@ def test_count_passes_through_what_is_not_http_and_everything_before_the_gateway
         pass
 
     gw = Gateway(Settings(api_key=""), {}, replica="replica-a")
-    with registered(gw):
-        asyncio.run(_Edge(inner)({"type": "lifespan"}, None, send))
-    with registered(None):
-        asyncio.run(_Edge(inner)(http_scope(), None, send))
+    asyncio.run(_Edge(inner)({"type": "lifespan", "app": AppOf(gateway=gw)}, None, send))
+    asyncio.run(_Edge(inner)(http_scope(), None, send))  # (outside a replica: no gateway to find)
     assert passed == [send, send]  # (the server's own send: nothing counted, no header added)
     assert not any(series.startswith("ppo_logprobs_requests_total") for series in exported(gw.metrics))
 
 
 def test_the_app_counts_its_answers_and_maps_the_errors_fastapi_raises_itself():
-    client = TestClient(make_fastapi())
-    with registered(None):  # before the replica registers its gateway
-        r = client.get("/readyz")
-        assert (r.status_code, r.json()["detail"], r.headers["retry-after"]) == (503, "the gateway is starting", "5")
-        assert "x-replica" not in r.headers
-    with registered(Gateway(Settings(api_key="s3cret"), {}, replica="replica-a")) as gw:
-        r = client.get("/healthz")
-        assert (r.status_code, r.json(), r.headers["x-replica"]) == (200, {"status": "ok"}, "replica-a")
-        r = client.get("/v1/health")
-        assert r.status_code == 401 and r.json()["detail"] == (
-            "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        assert r.json()["error"]["type"] == "authentication_error"
-        assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-replica"] == "replica-a"
-        r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
-        assert r.status_code == 422 and r.json()["detail"] == "path: Input should be a valid string (got 5)"
-        assert r.json()["error"] == {"message": r.json()["detail"], "type": "invalid_request_error", "code": 422}
-        got = exported(gw.metrics)
+    r = TestClient(make_fastapi()).get("/readyz")  # before the replica has its gateway
+    assert (r.status_code, r.json()["detail"], r.headers["retry-after"]) == (503, "the gateway is starting", "5")
+    assert "x-replica" not in r.headers
+    gw = Gateway(Settings(api_key="s3cret"), {}, replica="replica-a")
+    client = client_with(gw)
+    r = client.get("/healthz")
+    assert (r.status_code, r.json(), r.headers["x-replica"]) == (200, {"status": "ok"}, "replica-a")
+    r = client.get("/v1/health")
+    assert r.status_code == 401 and r.json()["detail"] == (
+        "missing or wrong API key: send 'Authorization: Bearer <key>'")
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"] == "Bearer" and r.headers["x-replica"] == "replica-a"
+    r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 422 and r.json()["detail"] == "path: Input should be a valid string (got 5)"
+    assert r.json()["error"] == {"message": r.json()["detail"], "type": "invalid_request_error", "code": 422}
+    got = exported(gw.metrics)
     assert {status: got[f'ppo_logprobs_requests_total{{replica="replica-a",status="{status}"}}']
             for status in ("200", "401", "422")} == {"200": 1, "401": 1, "422": 1}

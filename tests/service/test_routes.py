@@ -4,7 +4,6 @@ content type, the Accept header's ranking, reading a body from a real Starlette 
 or streamed, and its time limit), the served model by name, readiness, and where off_loop runs its work."""
 
 import asyncio
-import contextlib
 import threading
 
 import pytest
@@ -17,28 +16,22 @@ from ppo_logprobs.service import Settings
 from ppo_logprobs.service.app import Gateway, ServedModel, make_fastapi
 from ppo_logprobs.service.routes import (
     _ready,
-    current_gateway,
     gateway,
     media_type,
     off_loop,
     read_body,
     served,
-    set_gateway,
     wants_binary,
 )
 from ppo_logprobs.workers.errors import TooLarge
 from ppo_logprobs.workers.wire import BINARY
 
 
-@contextlib.contextmanager
-def registered(gw):
-    """This replica's gateway is `gw` for the block, and what it was before after it."""
-    before = current_gateway()
-    set_gateway(gw)
-    try:
-        yield gw
-    finally:
-        set_gateway(before)
+def client_with(gw, **kw) -> TestClient:
+    """A client of the app whose replica's gateway is `gw` (as service/app.py's edge puts it there)."""
+    app = make_fastapi()
+    app.state.gateway = gw
+    return TestClient(app, **kw)
 
 
 def body_request(chunks: list[bytes], *, complete: bool = True, headers: dict | None = None):
@@ -73,22 +66,13 @@ def request_to(app) -> Request:
     return Request({"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": [], "app": app})
 
 
-def test_before_the_gateway_is_registered_the_routes_answer_503_with_retry_after():
-    with registered(None):
-        with pytest.raises(HTTPException) as starting:
-            asyncio.run(gateway(request_to(AppOf())))
+def test_before_the_replica_has_its_gateway_the_routes_answer_503_with_retry_after():
+    with pytest.raises(HTTPException) as starting:
+        asyncio.run(gateway(request_to(AppOf())))
     assert (starting.value.status_code, starting.value.detail) == (503, "the gateway is starting")
     assert starting.value.headers == {"Retry-After": "5"}
-    with registered(Gateway(Settings(), {})) as gw:
-        assert asyncio.run(gateway(request_to(AppOf()))) is gw
-
-
-def test_the_routes_use_the_gateway_their_app_holds_before_the_one_registered():
-    held, other = Gateway(Settings(), {}), Gateway(Settings(), {})
-    with registered(other):
-        assert asyncio.run(gateway(request_to(AppOf(gateway=held)))) is held
-    with registered(None):
-        assert asyncio.run(gateway(request_to(AppOf(gateway=held)))) is held
+    held = Gateway(Settings(), {})
+    assert asyncio.run(gateway(request_to(AppOf(gateway=held)))) is held
 
 
 class Pool:
@@ -114,22 +98,19 @@ OPENING = [  # (headers, body, status, detail): answered the same by both scorin
 @pytest.mark.parametrize("headers, body, status, detail", OPENING, ids=["415", "413", "422", "404"])
 @pytest.mark.parametrize("route", ["/logprobs", "/v1/completions"])
 def test_both_scoring_routes_open_a_request_alike(route, headers, body, status, detail):
-    client = TestClient(make_fastapi(), headers=KEY)
-    gw = Gateway(Settings(api_key="k", max_body_bytes=2000), {"policy": Pool()})
-    with registered(gw):
-        r = client.post(route, content=body[route] if isinstance(body, dict) else body,
-                        headers={"Content-Type": "application/json", **headers})
+    client = client_with(Gateway(Settings(api_key="k", max_body_bytes=2000), {"policy": Pool()}), headers=KEY)
+    r = client.post(route, content=body[route] if isinstance(body, dict) else body,
+                    headers={"Content-Type": "application/json", **headers})
     assert (r.status_code, r.json()["detail"]) == (status, detail)
     assert r.json()["error"]["code"] == status and r.headers["x-replica"] == "local"
 
 
 def test_a_scoring_request_the_schema_refuses_is_a_422_naming_the_field():
-    client = TestClient(make_fastapi(), headers=KEY)
-    with registered(Gateway(Settings(api_key="k"), {"policy": Pool()})):
-        r = client.post("/logprobs", json={"input_ids": "no"})
-        assert r.status_code == 422 and r.json()["detail"].startswith("input_ids: "), r.json()
-        r = client.post("/v1/completions", json={"prompt": [1, 2], "echo": True, "logprobs": 1, "n": "two"})
-        assert r.status_code == 422 and r.json()["detail"].startswith("n: "), r.json()
+    client = client_with(Gateway(Settings(api_key="k"), {"policy": Pool()}), headers=KEY)
+    r = client.post("/logprobs", json={"input_ids": "no"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("input_ids: "), r.json()
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "echo": True, "logprobs": 1, "n": "two"})
+    assert r.status_code == 422 and r.json()["detail"].startswith("n: "), r.json()
 
 
 def test_media_type_is_the_type_alone_in_lower_case():
