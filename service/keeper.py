@@ -32,14 +32,11 @@ def pool_spec(settings: Settings, path: str) -> dict:
 
 
 def _load_options(settings: Settings) -> dict:
-    import torch
-
+    """What the pool's workers load their model with (a dtype by its name, as Settings checked it and load_model
+    reads it)."""
     options: dict = dict(backend=settings.backend, min_shared_prefix=settings.min_shared_prefix)
     if settings.dtype:
-        dtype = getattr(torch, settings.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype {settings.dtype!r} is not a torch dtype")
-        options["dtype"] = dtype
+        options["dtype"] = settings.dtype
     return options
 
 
