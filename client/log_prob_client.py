@@ -18,12 +18,14 @@ import os
 import random
 import time
 from collections.abc import Sequence
+from operator import itemgetter
 
 import httpx
 import numpy as np
 
+from ppo_logprobs.workers.errors import WeightsChanged
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX as SHARED_PREFIX  # (the server's default)
-from ppo_logprobs.workers.request import VERSION_ATTEMPTS, SequenceScores, stale_parts
+from ppo_logprobs.workers.request import Parts, SequenceScores
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
 RETRY_STATUSES = (429, 503)
@@ -67,7 +69,8 @@ def _per_sequence(value, n: int) -> list:
 
 
 def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, top_k=0, token_ids=None,
-            rollout_log_probs=None) -> list[dict]:
+            rollout_log_probs=None) -> dict[range, dict]:
+    """The request bodies of one call, by the run of its sequences each holds."""
     n = len(input_ids)
     starts, temps = _per_sequence(score_from, n), _per_sequence(temperature, n)
     if len(starts) != n or len(temps) != n:
@@ -77,7 +80,7 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, to
         raise ValueError(f"token_ids has {len(token_ids)} lists for {n} sequences (or give one list for all)")
     if rollout_log_probs is not None and len(rollout_log_probs) != n:
         raise ValueError(f"rollout_log_probs has {len(rollout_log_probs)} lists for {n} sequences")
-    bodies = []
+    bodies = {}
     for part in _chunks(input_ids, limit):
         body = {
             "input_ids": [list(map(int, input_ids[i])) for i in part],
@@ -94,18 +97,16 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, to
                                  else list(map(int, token_ids)))
         if rollout_log_probs is not None:
             body["rollout_log_probs"] = [list(map(float, rollout_log_probs[i])) for i in part]
-        bodies.append(body)
+        bodies[part] = body
     return bodies
 
 
-def _stale_parts(answers: list[dict]) -> list[int]:
-    return stale_parts([a["weights_version"] for a in answers])
-
-
-def _mixed_versions(answers: list[dict]) -> LogProbError:
-    versions = sorted({a["weights_version"] for a in answers})
-    return LogProbError(503, f"the weights changed while the parts of this call were scored (versions {versions}), "
-                             f"{VERSION_ATTEMPTS} times; retry")
+def _again(parts: Parts[dict]) -> list[range]:
+    """The parts to ask again (Parts.again), or LogProbError 503 when the weights changed under every attempt."""
+    try:
+        return parts.again()
+    except WeightsChanged as e:
+        raise LogProbError(503, str(e)) from None
 
 
 _JSON_DTYPES = {"top_log_probs": np.float32, "top_ids": np.int32, "tail_log_prob": np.float32,
@@ -258,13 +259,13 @@ class LogProbClient(_Base):
             self._limits[model] = self._limit_from(self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
                          token_ids, rollout_log_probs)
-        answers = [self._call("POST", "/logprobs", b) for b in bodies]
-        for _ in range(VERSION_ATTEMPTS):
-            for i in _stale_parts(answers):
-                answers[i] = self._call("POST", "/logprobs", bodies[i])
-        if _stale_parts(answers):
-            raise _mixed_versions(answers)
-        return _results(answers)
+        parts = Parts(len(input_ids), version=itemgetter("weights_version"))
+        ask = list(bodies)
+        while ask:
+            for run in ask:
+                parts.add(run, self._call("POST", "/logprobs", bodies[run]))
+            ask = _again(parts)
+        return _results(parts.in_order())
 
     def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
         """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info. Weights
@@ -338,15 +339,14 @@ class AsyncLogProbClient(_Base):
             self._limits[model] = self._limit_from(await self.models(), model)
         bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
                          token_ids, rollout_log_probs)
-        answers = list(await asyncio.gather(*(self._call("POST", "/logprobs", b) for b in bodies)))
-        for _ in range(VERSION_ATTEMPTS):
-            stale = _stale_parts(answers)
-            again = await asyncio.gather(*(self._call("POST", "/logprobs", bodies[i]) for i in stale))
-            for i, answer in zip(stale, again, strict=True):
-                answers[i] = answer
-        if _stale_parts(answers):
-            raise _mixed_versions(answers)
-        return _results(answers)
+        parts = Parts(len(input_ids), version=itemgetter("weights_version"))
+        ask = list(bodies)
+        while ask:
+            answers = await asyncio.gather(*(self._call("POST", "/logprobs", bodies[run]) for run in ask))
+            for run, answer in zip(ask, answers, strict=True):
+                parts.add(run, answer)
+            ask = _again(parts)
+        return _results(parts.in_order())
 
     async def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
         body = {"path": path, "allow_non_finite": allow_non_finite}

@@ -7,13 +7,14 @@ workers. Nothing on the way costs Python work per token; per-sequence work is ve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
+from typing import Generic, TypeVar
 
 import numpy as np
 
-from .errors import RequestError, TooLarge, clip
+from .errors import RequestError, TooLarge, WeightsChanged, clip
 
 # Temperatures outside this range are refused: far below it the scaled logits overflow fp32 (NaN), far above it
 # every distribution is uniform to fp32 precision.
@@ -324,10 +325,70 @@ VERSION_ATTEMPTS = 3  # how often a call made of parts asks again those answered
 
 def stale_parts(versions: Sequence[int]) -> list[int]:
     """The parts (by index) answered with older weights than the newest part: an update landed between them, so
-    they are asked again (up to VERSION_ATTEMPTS times), never merged with the newer ones. The one policy of the
-    pool, the workers' lines (scheduler.py) and the HTTP client."""
+    they are asked again, never merged with the newer ones (see Parts)."""
     newest = max(versions)
     return [i for i, v in enumerate(versions) if v != newest]
+
+
+R = TypeVar("R")
+Positions = np.ndarray | range  # where a part's sequences stand in the call: an index array, or a run of them
+
+
+def _weights_version(result) -> int:
+    return result.weights_version
+
+
+class Parts(Generic[R]):
+    """One call's answer assembled from parts by weights version, the one policy of the pool, the workers' lines
+    (scheduler.py) and the HTTP clients: when every part is in, those answered with older weights than the newest
+    part are taken out to be asked again (`again`), in the caller's own way, VERSION_ATTEMPTS times at most (then
+    WeightsChanged); once all are of one version, `merge` (ScoreResult parts) or `in_order` (runs) joins them.
+    `version` reads a part's weights version (`weights_version`, the attribute, by default)."""
+
+    def __init__(self, size: int, version: Callable[[R], int] = _weights_version) -> None:
+        self.size = size  # sequences in the call
+        self.version = version
+        self.parts: list[tuple[Positions, R]] = []
+        self.asked_again = 0  # times some parts were taken out to be asked again
+
+    def add(self, positions: Positions, result: R) -> None:
+        self.parts.append((positions, result))
+
+    @property
+    def complete(self) -> bool:
+        """Every sequence of the call has its answer (none is out, or being asked again)."""
+        return sum(len(positions) for positions, _ in self.parts) == self.size
+
+    def again(self) -> list[Positions]:
+        """The positions of the parts answered with older weights than the newest part, in the order they were added,
+        taken out to be asked again; [] when every part is of one version. WeightsChanged instead when parts were
+        asked again VERSION_ATTEMPTS times already (the weights changed under each attempt)."""
+        late = stale_parts([self.version(r) for _, r in self.parts]) if self.parts else []
+        if not late:
+            return []
+        if self.asked_again >= VERSION_ATTEMPTS:
+            versions = sorted({self.version(r) for _, r in self.parts})
+            raise WeightsChanged(f"the weights changed while the parts of this call were scored (versions {versions}),"
+                                 f" {VERSION_ATTEMPTS} times; retry")
+        self.asked_again += 1
+        taken = set(late)
+        again = [self.parts[i][0] for i in late]
+        self.parts = [part for i, part in enumerate(self.parts) if i not in taken]
+        return again
+
+    def merge(self, entropy: bool, *, copy: bool = True) -> ScoreResult:
+        """The call's ScoreResult from its parts (ScoreResult.merge). `copy=False`: a call answered in one part, all
+        of it in order (range(size)), is that part itself (views of it; its entropy dropped when not asked for), as a
+        worker's line answers a request whole in one step."""
+        if not copy and len(self.parts) == 1:
+            positions, part = self.parts[0]
+            if isinstance(positions, range) and positions == range(self.size):
+                return replace(part, entropy=None) if part.entropy is not None and not entropy else part
+        return ScoreResult.merge([(np.asarray(positions), r) for positions, r in self.parts], self.size, entropy)
+
+    def in_order(self) -> list[R]:
+        """The parts' results in the call's order, for parts that are runs of consecutive sequences (ranges)."""
+        return [r for _, r in sorted(self.parts, key=lambda part: part[0].start)]
 
 
 @dataclass

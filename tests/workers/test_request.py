@@ -1,14 +1,15 @@
 """The request/result contract (workers/request.py), alone: what ScoreRequest.build refuses and the message that
 names the field, the sequence and the value; what it accepts at the edges; select, concat and merge giving every
-sequence back in request order for any split; the stale-part policy; ragged_index against a loop."""
+sequence back in request order for any split; the stale-part policy and the assembler of parts by weights version
+(Parts) as its callers drive it; ragged_index against a loop."""
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ppo_logprobs.workers.errors import RequestError, TooLarge
-from ppo_logprobs.workers.request import ScoreRequest, ScoreResult, ragged_index, stale_parts
+from ppo_logprobs.workers.errors import RequestError, TooLarge, WeightsChanged
+from ppo_logprobs.workers.request import VERSION_ATTEMPTS, Parts, ScoreRequest, ScoreResult, ragged_index, stale_parts
 
 VOCAB = 10
 
@@ -186,6 +187,94 @@ def test_parts_of_two_weights_versions_are_not_merged():
 )
 def test_parts_older_than_the_newest_are_the_stale_ones(versions, stale):
     assert stale_parts(versions) == stale
+
+
+def assemble(request: ScoreRequest, parts: list[np.ndarray], versions) -> tuple[ScoreResult, list[list[int]]]:
+    """Drives Parts as its callers do: every part answered (in the order given), then those Parts gives back asked
+    again, until none; `versions` yields the weights version of each answer in turn. Returns the merged result and
+    the positions asked again in each round."""
+    assembled, rounds = Parts(len(request)), []
+    ask = parts
+    while ask:
+        for index in ask:
+            assembled.add(index, score(request.select(index), next(versions)))
+        assert assembled.complete
+        ask = assembled.again()
+        if ask:
+            rounds.append([np.asarray(a).tolist() for a in ask])
+    return assembled.merge(request.return_entropy), rounds
+
+
+def assert_whole(merged: ScoreResult, request: ScoreRequest, version: int) -> None:
+    whole = score(request, version)
+    assert merged.weights_version == version and np.array_equal(merged.offsets, whole.offsets)
+    assert merged.log_probs.tobytes() == whole.log_probs.tobytes()
+    assert (merged.entropy is None) == (not request.return_entropy)
+    if request.return_entropy:
+        assert merged.entropy.tobytes() == whole.entropy.tobytes()
+
+
+@given(splits(), st.randoms(use_true_random=False))
+def test_parts_answered_in_any_order_and_any_versions_assemble_the_whole_of_the_newest(case, rng):
+    request, _, parts = case
+    rng.shuffle(parts)
+    # each first answer of an older version than the newest, or of the newest; every later one of the newest
+    first = [rng.choice([4, 5, 6]) for _ in parts]
+    newest = max(first)
+    merged, rounds = assemble(request, parts, iter(first + [newest] * len(parts)))
+    assert_whole(merged, request, newest)
+    stale = [p.tolist() for p, v in zip(parts, first, strict=True) if v != newest]
+    assert rounds == ([stale] if stale else [])  # asked again once, in the order they were answered
+
+
+def test_three_versions_the_older_two_are_asked_again_and_a_newer_answer_makes_the_rest_late():
+    request = build([[1, 2, 3], [4, 5], [6, 7, 8], [9, 1]])
+    parts = [np.array([2]), np.array([0, 3]), np.array([1])]
+    merged, rounds = assemble(request, parts, iter([1, 3, 2, 3, 3]))
+    assert rounds == [[[2], [1]]] and merged.weights_version == 3
+    assert_whole(merged, request, 3)
+    # the part asked again comes back newer still: the others are late in their turn
+    merged, rounds = assemble(request, parts, iter([1, 2, 2, 3, 3, 3]))
+    assert rounds == [[[2]], [[0, 3], [1]]]
+    assert_whole(merged, request, 3)
+
+
+@pytest.mark.parametrize("changes", [VERSION_ATTEMPTS, VERSION_ATTEMPTS + 1])
+def test_parts_are_asked_again_version_attempts_times_then_weights_changed(changes):
+    """An update lands under every attempt, `changes` times in all: the call ends in one version while the
+    attempts last, in WeightsChanged naming the versions when they do not."""
+    request = build([[1, 2, 3], [4, 5], [6, 7]])
+    parts = [np.array([0]), np.array([1, 2])]
+    versions = iter([*range(changes + 1), changes, changes])  # each answer of weights newer than the one before
+    if changes <= VERSION_ATTEMPTS:
+        merged, rounds = assemble(request, parts, versions)
+        assert len(rounds) == changes and merged.weights_version == changes
+        assert_whole(merged, request, changes)
+        return
+    with pytest.raises(WeightsChanged) as raised:
+        assemble(request, parts, versions)
+    assert str(raised.value) == (f"the weights changed while the parts of this call were scored (versions "
+                                 f"[{changes - 1}, {changes}]), {VERSION_ATTEMPTS} times; retry")
+
+
+def test_parts_of_runs_and_answers_of_any_kind():
+    """The workers' lines give ranges; the HTTP clients give ranges and their answers' bodies (a dict); a part of
+    a range holding the whole call merges to itself unless a copy is asked for."""
+    request = build([[1, 2, 3], [4, 5], [6, 7, 8]], return_entropy=False)
+    parts = Parts(3, version=lambda answer: answer["weights_version"])
+    parts.add(range(2, 3), {"weights_version": 1, "name": "c"})
+    assert not parts.complete and parts.again() == []
+    parts.add(range(0, 2), {"weights_version": 0, "name": "ab"})
+    assert parts.complete and parts.again() == [range(0, 2)] and not parts.complete
+    parts.add(range(0, 2), {"weights_version": 1, "name": "ab"})
+    assert parts.again() == [] and [a["name"] for a in parts.in_order()] == ["ab", "c"]
+    whole = Parts(3)
+    answer = score(build([[1, 2, 3], [4, 5], [6, 7, 8]]), 2)  # (entropy another request of its step asked for)
+    whole.add(range(3), answer)
+    alone = whole.merge(request.return_entropy, copy=False)
+    assert alone.log_probs is answer.log_probs and alone.entropy is None
+    copied = whole.merge(request.return_entropy)
+    assert copied.log_probs is not answer.log_probs and copied.log_probs.tobytes() == answer.log_probs.tobytes()
 
 
 @pytest.mark.parametrize("counts", [[], [0, 0], [1], [3, 0, 2, 1], [0, 5, 0]])

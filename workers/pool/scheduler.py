@@ -21,13 +21,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import Overloaded, WeightsChanged
 from ..prefixes import computed_offsets, neighbour_groups
-from ..request import VERSION_ATTEMPTS, ScoreRequest, ScoreResult, stale_parts
+from ..request import Parts, ScoreRequest, ScoreResult
 
 
 @dataclass(eq=False)
@@ -38,9 +38,11 @@ class _Waiting:
     groups: np.ndarray  # where each sequence's run of neighbours sharing a prompt begins
     computed: np.ndarray  # cumulative tokens its sequences compute (prefixes.computed_offsets)
     todo: deque = field(default_factory=deque)  # (lo, hi) ranges of its sequences not yet sent
-    parts: list = field(default_factory=list)  # (lo, hi, ScoreResult) received
+    parts: Parts[ScoreResult] = field(init=False)  # its parts received, each a range of its sequences
     steps_waited: int | None = None  # steps started after it was queued and before its first
-    attempts: int = 1
+
+    def __post_init__(self) -> None:
+        self.parts = Parts(len(self.request))
 
 
 class Line:
@@ -150,7 +152,7 @@ class Line:
         """Hands each request its part of a step's result (parts answered with older weights are queued again)."""
         start = 0
         for item, lo, hi in batch:
-            item.parts.append((lo, hi, result.span(start, start + hi - lo).fit(item.request)))
+            item.parts.add(range(lo, hi), result.span(start, start + hi - lo).fit(item.request))
             start += hi - lo
             self._finish(item)
 
@@ -164,31 +166,21 @@ class Line:
 
     def _finish(self, item: _Waiting) -> None:
         """Completes a request whose parts are all in, all of one version; parts answered with older weights than
-        its newest part are queued again."""
-        if item.future.done() or sum(hi - lo for lo, hi, _ in item.parts) < len(item.request):
+        its newest part are queued again (request.Parts)."""
+        if item.future.done() or not item.parts.complete:
             return
-        late = stale_parts([r.weights_version for _, _, r in item.parts])
-        if not late:
-            if len(item.parts) == 1:  # (whole in one step, as most small requests are: its span of the step's result)
-                part = item.parts[0][2]
-                if part.entropy is not None and not item.request.return_entropy:  # (another request asked for it)
-                    part = replace(part, entropy=None)
-                item.future.set_result((part, item.steps_waited or 0))
-                return
-            parts = [(np.arange(lo, hi), r) for lo, hi, r in item.parts]
-            item.future.set_result((ScoreResult.merge(parts, len(item.request), item.request.return_entropy),
-                                    item.steps_waited or 0))
+        try:
+            late = item.parts.again()
+        except WeightsChanged as e:
+            item.future.set_exception(e)
             return
-        if item.attempts > VERSION_ATTEMPTS:  # (asked again VERSION_ATTEMPTS times, as the pool and the client do)
-            item.future.set_exception(WeightsChanged(f"the weights changed during the request {VERSION_ATTEMPTS} "
-                                                     "times; retry"))
+        if late:
+            item.todo.extend((positions.start, positions.stop) for positions in late)
+            if item not in self.waiting:
+                self.waiting.append(item)
             return
-        item.attempts += 1
-        item.todo.extend(item.parts[i][:2] for i in late)
-        stale = set(late)
-        item.parts = [p for i, p in enumerate(item.parts) if i not in stale]
-        if item not in self.waiting:
-            self.waiting.append(item)
+        # (whole in one step, as most small requests are: its span of the step's result, not a copy)
+        item.future.set_result((item.parts.merge(item.request.return_entropy, copy=False), item.steps_waited or 0))
 
 
 class Scheduler:

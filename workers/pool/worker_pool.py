@@ -23,17 +23,16 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..errors import WeightsChanged, WeightsUnavailable, WorkerLost, cause, get
+from ..errors import WeightsUnavailable, WorkerLost, cause, get
 from ..prefixes import forest
 from ..request import (
     RATIO_BOUNDS,
-    VERSION_ATTEMPTS,
+    Parts,
     ScoreRequest,
     ScoreResult,
     SequenceScores,
     mismatch,
     rollout_values,
-    stale_parts,
     with_mismatch,
 )
 from ..sharding import check_shardable
@@ -94,7 +93,8 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_
                         load: list[int] | None = None) -> ScoreResult:
     """Dispatches shares to the actors and awaits them (from any event loop), all of one weights version: a dead
     actor's share goes to the next, a restarted actor without weights is restored by the owner first, and shares
-    answered with an older version than the newest seen (an update landing mid-call) are asked again. Sequences
+    answered with an older version than the newest seen (an update landing mid-call) are asked again (request.Parts,
+    the one policy of every caller made of parts). Sequences
     that share a prefix (at least `min_shared_prefix` tokens, the workers') go to one actor. `load`: the tokens
     this caller has in flight at each actor, kept up to date here; the largest share goes to the least loaded (a
     request smaller than a share of each goes whole to one)."""
@@ -111,7 +111,8 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_
         if share.size:
             submit(share, w, 1)
     try:
-        done: list[tuple[np.ndarray, int, int, ScoreResult]] = []
+        parts: Parts[ScoreResult] = Parts(len(request))
+        answered: dict[int, tuple[int, int]] = {}  # a share, by its first sequence: its worker, its attempt
         while pending:
             finished, _ = await asyncio.wait(list(pending), return_when=asyncio.FIRST_COMPLETED)
             for future in finished:
@@ -136,17 +137,14 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_
                     continue
                 except Exception as e:
                     raise cause(e) from None
-                done.append((share, w, attempt, result))
+                parts.add(share, result)
+                answered[int(share[0])] = (w, attempt)
             if not pending:
-                late = set(stale_parts([r.weights_version for *_, r in done]))
-                stale = [d for i, d in enumerate(done) if i in late]
-                if stale and max(d[2] for d in stale) > VERSION_ATTEMPTS:
-                    raise WeightsChanged(f"the weights changed during the call {VERSION_ATTEMPTS} times; retry")
-                done = [d for i, d in enumerate(done) if i not in late]
-                for share, w, attempt, _ in stale:  # commits land on workers one by one: ask the late ones again
+                for share in parts.again():  # commits land on workers one by one: ask the late ones again
+                    w, attempt = answered[int(share[0])]
                     await asyncio.sleep(0.01 * attempt)
                     submit(share, w, attempt + 1)
-        return ScoreResult.merge([(share, r) for share, _, _, r in done], len(request), request.return_entropy)
+        return parts.merge(request.return_entropy)
     finally:  # (a call that failed leaves no load behind)
         for share, w, _ in pending.values():
             load[w] -= int(request.lengths[share].sum())
