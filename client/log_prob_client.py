@@ -8,6 +8,9 @@ route yet), after their Retry-After or an exponential backoff, with random jitte
 step; a reload (not idempotent), a 4xx, the gateway's own 500 and what no retry can change (a URL that is not http(s),
 a request that cannot be sent) are never retried. Anything that is not retried raises LogProbError with the server's
 message. Results come as float32 bytes (`binary=True`, the default; see workers/wire.py) or as JSON text.
+
+All of that is one core without I/O (`_Core`, whose methods are generators of Steps), shared by both clients; each
+client only runs the steps with its own I/O: httpx.Client and time.sleep, or httpx.AsyncClient and asyncio.sleep.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import logging
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -68,8 +73,8 @@ def _per_sequence(value, n: int) -> list:
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value] * n
 
 
-def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, top_k=0, token_ids=None,
-            rollout_log_probs=None) -> dict[range, dict]:
+def _bodies(input_ids, score_from, temperature, model, limit, *, return_entropy, top_k, token_ids,
+            rollout_log_probs) -> dict[range, dict]:
     """The request bodies of one call, by the run of its sequences each holds."""
     n = len(input_ids)
     starts, temps = _per_sequence(score_from, n), _per_sequence(temperature, n)
@@ -99,14 +104,6 @@ def _bodies(input_ids, score_from, temperature, model, return_entropy, limit, to
             body["rollout_log_probs"] = [list(map(float, rollout_log_probs[i])) for i in part]
         bodies[part] = body
     return bodies
-
-
-def _again(parts: Parts[dict]) -> list[range]:
-    """The parts to ask again (Parts.again), or LogProbError 503 when the weights changed under every attempt."""
-    try:
-        return parts.again()
-    except WeightsChanged as e:
-        raise LogProbError(503, str(e)) from None
 
 
 _JSON_DTYPES = {"top_log_probs": np.float32, "top_ids": np.int32, "tail_log_prob": np.float32,
@@ -163,9 +160,40 @@ def _raise_for(response: httpx.Response) -> dict:
     raise LogProbError(response.status_code, str(detail))
 
 
-class _Base:
-    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_retries: int, backoff: float,
-                 max_request_tokens: int | None, binary: bool) -> None:
+@dataclass(frozen=True)
+class _Send:
+    """A step of the core: send this request (the client answers with its Outcome)."""
+
+    method: str
+    path: str
+    body: dict | None = None
+
+
+T = TypeVar("T")
+# A client's work without its I/O, a generator that the client runs (`_run`): each step it yields is a _Send, answered
+# with its Outcome; seconds to wait (a float), answered with None; or a list of Steps, answered with their results in
+# order (one after another, or concurrently where the client can).
+Steps = Generator["_Send | float | list[Steps]", Any, T]
+
+
+def _resume(steps: Steps[T], reply) -> tuple[bool, Any]:
+    """(False, the next step) of `steps` given the reply to its last one, or (True, its result) when it is done."""
+    try:
+        return False, steps.send(reply)
+    except StopIteration as done:
+        return True, done.value
+
+
+class _Core:
+    """What both clients do, without I/O: requests built, batches split under the server's limit, answers read, the
+    retry decided, parts answered with older weights asked again (Parts), results assembled. Each client only sends,
+    waits and runs steps side by side in its own way (`_run`); `_HTTP` is its httpx class."""
+
+    _HTTP: type[httpx.Client] | type[httpx.AsyncClient]
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 600,
+                 max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None,
+                 binary: bool = True) -> None:
         self.base_url = base_url.rstrip("/")
         try:
             httpx.URL(self.base_url)
@@ -182,6 +210,18 @@ class _Base:
         self.max_request_tokens = max_request_tokens
         self._limits: dict[str | None, int] = {}
         self._reached = False  # whether anything has answered at base_url yet
+        self.retries = 0  # calls retried so far (transport errors, 429, 503)
+        self._http = self._HTTP(base_url=self.base_url, headers=self.headers, timeout=timeout)
+
+    def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> Steps[dict]:
+        """One call, sent again while `_settle` says so; the body of its answer."""
+        for attempt in range(self.max_retries + 1):
+            answer, wait = self._settle((yield _Send(method, path, body)), attempt, retry)
+            if answer is not None:
+                return answer
+            self.retries += 1
+            yield wait
+        raise AssertionError("unreachable")
 
     def _settle(self, outcome: Outcome, attempt: int, retry: bool) -> tuple[dict | None, float]:
         """(the body, 0) of a final outcome, raising LogProbError for an error; or (None, seconds to wait) when the
@@ -213,36 +253,76 @@ class _Base:
         log.warning("%s: %s; retry %d of %d in %.1f s", self.base_url, reason, attempt + 1, self.max_retries, wait)
         return None, wait
 
+    def _models(self) -> Steps[list[ModelInfo]]:
+        return [ModelInfo(**m) for m in (yield from self._call("GET", "/v1/models"))["data"]]
+
+    def _score(self, input_ids, score_from, temperature, model: str | None, **options) -> Steps[list[SequenceLogProbs]]:
+        """score's work: the server's limit (asked once per model), the parts sent side by side, those answered with
+        older weights than another part asked again, the results in order. `options`: _bodies'."""
+        if model not in self._limits:
+            self._limits[model] = self._limit_from((yield from self._models()), model)
+        bodies = _bodies(input_ids, score_from, temperature, model, self._limits[model], **options)
+        parts = Parts(len(input_ids), version=itemgetter("weights_version"))
+        ask = list(bodies)
+        while ask:
+            answers = yield [self._call("POST", "/logprobs", bodies[run]) for run in ask]
+            for run, answer in zip(ask, answers, strict=True):
+                parts.add(run, answer)
+            try:
+                ask = parts.again()
+            except WeightsChanged as e:
+                raise LogProbError(503, str(e)) from None
+        return _results(parts.in_order())
+
     def _limit_from(self, models: list[ModelInfo], model: str | None) -> int:
         info = next((m for m in models if m.name == model), models[0]) if models else None
         return self.max_request_tokens or (info.max_request_tokens if info else 0) or 1 << 62
 
+    def _reload(self, model: str, path: str, allow_non_finite: bool) -> Steps[ModelInfo]:
+        body = {"path": path, "allow_non_finite": allow_non_finite}
+        return ModelInfo(**(yield from self._call("POST", f"/v1/models/{model}/reload", body, retry=False)))
 
-class LogProbClient(_Base):
+    def _up(self, path: str) -> Steps[bool]:
+        """Whether GET `path` answers 200, asked once; False also when nothing answers."""
+        outcome = yield _Send("GET", path)
+        if isinstance(outcome, httpx.InvalidURL):
+            raise outcome
+        return not isinstance(outcome, httpx.TransportError) and outcome.status_code == 200
+
+    def _metrics(self) -> Steps[str]:
+        outcome = yield _Send("GET", "/metrics")
+        if isinstance(outcome, httpx.TransportError):
+            raise LogProbError(0, f"no answer from {self.base_url} ({outcome})") from outcome
+        if isinstance(outcome, httpx.InvalidURL):
+            raise outcome
+        return _text(outcome)
+
+
+class LogProbClient(_Core):
     """Synchronous client: `LogProbClient("http://127.0.0.1:8000").score([[1, 2, 3]])`."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 600,
-                 max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None,
-                 binary: bool = True) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_request_tokens, binary)
-        self._http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
-        self.retries = 0  # calls retried so far (transport errors, 429, 503)
+    _HTTP = httpx.Client
+    _http: httpx.Client
 
-    def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
-        for attempt in range(self.max_retries + 1):
+    def _run(self, steps: Steps[T]) -> T:
+        """The core's steps with blocking I/O: the requests of a list one after another."""
+        done, step = _resume(steps, None)
+        while not done:
+            done, step = _resume(steps, self._do(step))
+        return step
+
+    def _do(self, step: _Send | float | list[Steps]):
+        if isinstance(step, _Send):
             try:
-                outcome: Outcome = self._http.request(method, path, json=body)
+                return self._http.request(step.method, step.path, json=step.body)
             except (httpx.TransportError, httpx.InvalidURL) as e:
-                outcome = e
-            answer, wait = self._settle(outcome, attempt, retry)
-            if answer is not None:
-                return answer
-            self.retries += 1
-            time.sleep(wait)
-        raise AssertionError("unreachable")
+                return e
+        if isinstance(step, list):
+            return [self._run(steps) for steps in step]
+        time.sleep(step)
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(**m) for m in self._call("GET", "/v1/models")["data"]]
+        return self._run(self._models())
 
     def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
               temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
@@ -255,44 +335,25 @@ class LogProbClient(_Base):
         candidates (one list for all sequences, or one per sequence) whose log-probs each entry gives;
         `rollout_log_probs`: the rollout engine's log-probs of the entries (one list per sequence), and each result's
         `mismatch` says how far they are from ours."""
-        if model not in self._limits:
-            self._limits[model] = self._limit_from(self.models(), model)
-        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
-                         token_ids, rollout_log_probs)
-        parts = Parts(len(input_ids), version=itemgetter("weights_version"))
-        ask = list(bodies)
-        while ask:
-            for run in ask:
-                parts.add(run, self._call("POST", "/logprobs", bodies[run]))
-            ask = _again(parts)
-        return _results(parts.in_order())
+        return self._run(self._score(input_ids, score_from, temperature, model, return_entropy=return_entropy,
+                                     top_k=top_k, token_ids=token_ids, rollout_log_probs=rollout_log_probs))
 
     def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
         """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info. Weights
         holding NaN or infinite values are refused (LogProbError, status 409) unless `allow_non_finite`."""
-        body = {"path": path, "allow_non_finite": allow_non_finite}
-        return ModelInfo(**self._call("POST", f"/v1/models/{model}/reload", body, retry=False))
+        return self._run(self._reload(model, path, allow_non_finite))
 
     def ready(self) -> bool:
         """Every model can score (GET /readyz); False also when nothing answers."""
-        try:
-            return self._http.get("/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
+        return self._run(self._up("/readyz"))
 
     def alive(self) -> bool:
         """The gateway answers (GET /healthz)."""
-        try:
-            return self._http.get("/healthz").status_code == 200
-        except httpx.TransportError:
-            return False
+        return self._run(self._up("/healthz"))
 
     def metrics(self) -> str:
         """The Prometheus exposition text (GET /metrics)."""
-        try:
-            return _text(self._http.get("/metrics"))
-        except httpx.TransportError as e:
-            raise LogProbError(0, f"no answer from {self.base_url} ({e})") from e
+        return self._run(self._metrics())
 
     def close(self) -> None:
         self._http.close()
@@ -304,71 +365,51 @@ class LogProbClient(_Base):
         self.close()
 
 
-class AsyncLogProbClient(_Base):
+class AsyncLogProbClient(_Core):
     """Asynchronous client; the split requests of one call are sent concurrently."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None, timeout: float = 600,
-                 max_retries: int = 8, backoff: float = 0.5, max_request_tokens: int | None = None,
-                 binary: bool = True) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_request_tokens, binary)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
-        self.retries = 0
+    _HTTP = httpx.AsyncClient
+    _http: httpx.AsyncClient
 
-    async def _call(self, method: str, path: str, body: dict | None = None, *, retry: bool = True) -> dict:
-        for attempt in range(self.max_retries + 1):
+    async def _run(self, steps: Steps[T]) -> T:
+        """The core's steps on this event loop: the requests of a list concurrently."""
+        done, step = _resume(steps, None)
+        while not done:
+            done, step = _resume(steps, await self._do(step))
+        return step
+
+    async def _do(self, step: _Send | float | list[Steps]):
+        if isinstance(step, _Send):
             try:
-                outcome: Outcome = await self._http.request(method, path, json=body)
+                return await self._http.request(step.method, step.path, json=step.body)
             except (httpx.TransportError, httpx.InvalidURL) as e:
-                outcome = e
-            answer, wait = self._settle(outcome, attempt, retry)
-            if answer is not None:
-                return answer
-            self.retries += 1
-            await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
+                return e
+        if isinstance(step, list):
+            return await asyncio.gather(*map(self._run, step))
+        await asyncio.sleep(step)
 
     async def models(self) -> list[ModelInfo]:
-        return [ModelInfo(**m) for m in (await self._call("GET", "/v1/models"))["data"]]
+        return await self._run(self._models())
 
     async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
                     temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
                     return_entropy: bool = True, top_k: int = 0,
                     token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                     rollout_log_probs: Sequence[Sequence[float]] | None = None) -> list[SequenceLogProbs]:
-        if model not in self._limits:
-            self._limits[model] = self._limit_from(await self.models(), model)
-        bodies = _bodies(input_ids, score_from, temperature, model, return_entropy, self._limits[model], top_k,
-                         token_ids, rollout_log_probs)
-        parts = Parts(len(input_ids), version=itemgetter("weights_version"))
-        ask = list(bodies)
-        while ask:
-            answers = await asyncio.gather(*(self._call("POST", "/logprobs", bodies[run]) for run in ask))
-            for run, answer in zip(ask, answers, strict=True):
-                parts.add(run, answer)
-            ask = _again(parts)
-        return _results(parts.in_order())
+        return await self._run(self._score(input_ids, score_from, temperature, model, return_entropy=return_entropy,
+                                           top_k=top_k, token_ids=token_ids, rollout_log_probs=rollout_log_probs))
 
     async def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
-        body = {"path": path, "allow_non_finite": allow_non_finite}
-        return ModelInfo(**(await self._call("POST", f"/v1/models/{model}/reload", body, retry=False)))
+        return await self._run(self._reload(model, path, allow_non_finite))
 
     async def ready(self) -> bool:
-        try:
-            return (await self._http.get("/readyz")).status_code == 200
-        except httpx.TransportError:
-            return False
+        return await self._run(self._up("/readyz"))
 
     async def alive(self) -> bool:
-        try:
-            return (await self._http.get("/healthz")).status_code == 200
-        except httpx.TransportError:
-            return False
+        return await self._run(self._up("/healthz"))
 
     async def metrics(self) -> str:
-        try:
-            return _text(await self._http.get("/metrics"))
-        except httpx.TransportError as e:
-            raise LogProbError(0, f"no answer from {self.base_url} ({e})") from e
+        return await self._run(self._metrics())
 
     async def close(self) -> None:
         await self._http.aclose()

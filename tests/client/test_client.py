@@ -514,3 +514,76 @@ def test_a_request_is_cut_between_groups_of_a_shared_prompt_not_inside_them():
     assert _chunks(seqs, 300) == [range(0, 2), range(2, 3), range(3, 5), range(5, 6), range(6, 8), range(8, 9)]
     short = [[1, 2, 3]] * 9  # shorter than a shared prefix: cut where the limit falls
     assert _chunks(short, 12) == [range(0, 4), range(4, 8), range(8, 9)]
+
+
+class _Fake:
+    """A gateway in memory (httpx.MockTransport) for both clients: log-prob = the scored token, entropy = its place
+    in its sequence; `versions` gives the weights version of each /logprobs answer in turn, `script` the status of
+    the first ones (503 and 429 with Retry-After 0)."""
+
+    def __init__(self, versions=(), script=()):
+        self.versions, self.script = iter(versions), list(script)
+        self.posts: list[list[list[int]]] = []
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [dict(id="policy", name="policy", vocab_size=100, max_length=50,
+                                                           max_request_tokens=10, weights_version=0)]})
+        if request.url.path in ("/readyz", "/healthz"):
+            raise httpx.ConnectError("refused")
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="ppo_logprobs_requests_total 1\n")
+        body = json.loads(request.content)
+        self.posts.append(body["input_ids"])
+        if self.script:
+            return httpx.Response(self.script.pop(0), json={"detail": "scripted"},
+                                  headers={"Retry-After": "0", "X-Replica": "fake"})
+        results = [{"log_probs": seq[start:], "entropy": list(range(start, len(seq)))}
+                   for seq, start in zip(body["input_ids"], body["score_from"], strict=True)]
+        return httpx.Response(200, json={"weights_version": next(self.versions, 0), "results": results},
+                              headers={"X-Replica": "fake"})
+
+
+def on_fake(kind, fake: _Fake, method: str, *args, **kwargs):
+    """client.method(*args, **kwargs) of a `kind` ("sync" or "async") client of `fake`, and the client."""
+    if kind == "sync":
+        with LogProbClient("http://fake", binary=False) as client:
+            client._http = httpx.Client(base_url=client.base_url, transport=httpx.MockTransport(fake.handle))
+            return getattr(client, method)(*args, **kwargs), client
+
+    async def run():
+        async with AsyncLogProbClient("http://fake", binary=False) as client:
+            client._http = httpx.AsyncClient(base_url=client.base_url, transport=httpx.MockTransport(fake.handle))
+            return await getattr(client, method)(*args, **kwargs), client
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_split_ask_late_parts_again_and_keep_order_through_one_core(kind):
+    seqs = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18]]  # parts of at most 10 tokens
+    fake = _Fake(versions=[1, 2, 1, 2, 2])  # the first part and the third answered with older weights
+    results, client = on_fake(kind, fake, "score", seqs, [1, 2, 1, 1, 2])
+    assert [r.log_probs.tolist() for r in results] == [[2, 3, 4], [7], [9, 10, 11, 12], [14], [17, 18]]
+    assert [r.entropy.tolist() for r in results] == [[1, 2, 3], [2], [1, 2, 3, 4], [1], [2, 3]]
+    assert {r.weights_version for r in results} == {2}
+    parts = [seqs[0:2], seqs[2:4], seqs[4:5]]
+    assert fake.posts == parts + [parts[0], parts[2]] and client.retries == 0
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_both_clients_retry_alike_and_give_up_alike(kind, caplog):
+    fake = _Fake(script=[503, 429])
+    results, client = on_fake(kind, fake, "score", [[1, 2, 3]])
+    assert results[0].log_probs.tolist() == [2, 3] and client.retries == 2 and len(fake.posts) == 3
+    assert [r.getMessage() for r in caplog.records] == ["http://fake: HTTP 503; retry 1 of 8 in 0.0 s",
+                                                        "http://fake: HTTP 429; retry 2 of 8 in 0.0 s"]
+    changing = _Fake(versions=range(100))  # an update under every attempt
+    with pytest.raises(LogProbError, match=r"^HTTP 503: the weights changed while the parts of this call were scored "
+                                           r"\(versions \[3, 4\]\), 3 times; retry$"):
+        on_fake(kind, changing, "score", [[1, 2, 3, 4, 5, 6]] * 2)  # two parts
+    assert len(changing.posts) == 2 + 3  # each part once, then one a time asked again three times
+    assert on_fake(kind, _Fake(), "ready")[0] is False and on_fake(kind, _Fake(), "alive")[0] is False
+    assert on_fake(kind, _Fake(), "metrics")[0] == "ppo_logprobs_requests_total 1\n"
+    with pytest.raises(ValueError, match="score_from and temperature need one value or 2"):
+        on_fake(kind, _Fake(), "score", [[1, 2], [3, 4]], [1, 1, 1])
