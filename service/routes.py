@@ -35,6 +35,7 @@ from .schemas import (
 router = APIRouter()
 VERSION = importlib.metadata.version("ppo-logprobs")
 
+
 def gateway_of(app):
     """The replica's Gateway, which its app holds (`app.state.gateway`, put there by service/app.py's edge at the
     replica's first request); None before."""

@@ -94,10 +94,9 @@ async def score_on_pool(owner, workers: list, request: ScoreRequest, min_shared_
     """Dispatches shares to the actors and awaits them (from any event loop), all of one weights version: a dead
     actor's share goes to the next, a restarted actor without weights is restored by the owner first, and shares
     answered with an older version than the newest seen (an update landing mid-call) are asked again (request.Parts,
-    the one policy of every caller made of parts). Sequences
-    that share a prefix (at least `min_shared_prefix` tokens, the workers') go to one actor. `load`: the tokens
-    this caller has in flight at each actor, kept up to date here; the largest share goes to the least loaded (a
-    request smaller than a share of each goes whole to one)."""
+    the one policy of every caller made of parts). Sequences that share a prefix (at least `min_shared_prefix`
+    tokens, the workers') go to one actor. `load`: the tokens this caller has in flight at each actor, kept up to date
+    here; the largest share goes to the least loaded (a request smaller than a share of each goes whole to one)."""
     pending: dict[asyncio.Future, tuple[np.ndarray, int, int]] = {}
     load = load if load is not None and len(load) == len(workers) else [0] * len(workers)
 
