@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -280,11 +281,12 @@ def run_mode(args) -> list[dict]:
     pool = WorkerPool.connect("bench:policy")
     step_tokens = pool.health()[0]["step_tokens"]  # a worker's step: its line's budget
     rows = []
-    sizes = {size: requests_of(size, args.requests, pool.vocab_size, seed=size) for size in args.sizes}
+    sizes = {size: requests_of(size, n, pool.vocab_size, seed=size) for size, n in zip(args.sizes, args.requests,
+                                                                                         strict=True)}
     bodies = {size: [json.dumps({"input_ids": r}).encode() for r in reqs] for size, reqs in sizes.items()}
     for size, reqs in sizes.items():  # warm-up: whatever the workers compile for these shapes
-        warm = load(f"{url}/r{args.replicas[0]}", bodies[size][: args.requests // 4], args.client_procs,
-                    args.connections)
+        warm = load(f"{url}/r{args.replicas[0]}", bodies[size][: len(reqs) // 4], args.client_procs,
+                    max(args.connections))
         direct(pool, reqs)
         note(f"warmed up {size} tokens a request: {warm['requests_per_s']:.0f} requests/s, {warm['failures']} failed")
     base = {size: direct(pool, reqs) for size, reqs in sizes.items()}
@@ -300,39 +302,39 @@ def run_mode(args) -> list[dict]:
             spans.append((start, time.perf_counter()))
         trainer_alone = trainer_rate(spans, batch_tokens)
         note(f"the trainer alone: {trainer_alone:.0f} tokens/s")
-    for replicas, app in apps.items():
-        for size, reqs in sizes.items():
-            tokens = sum(len(s) for r in reqs for s in r)
-            calls0, cpu0 = worker_calls(pool), cpu_seconds(app)
-            peak = load(f"{url}/{app}", bodies[size], args.client_procs, args.connections)
-            calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
-            half = load(f"{url}/{app}", bodies[size][: args.requests // 2], args.client_procs, 4 * args.connections,
-                        rate=peak["requests_per_s"] / 2)
-            per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
-            beside = {}
-            if args.trainer:  # the same closed loop with the trainer's calls beside it
-                spans, stop = [], threading.Event()
-                thread = threading.Thread(target=trainer_calls, args=(pool, batch, stop, spans))
-                thread.start()
-                mixed = load(f"{url}/{app}", bodies[size] * 2, args.client_procs, args.connections)  # (twice as long)
-                stop.set()
-                thread.join()
-                beside = dict(trainer_alone_tokens_per_s=trainer_alone,
-                              trainer_tokens_per_s=trainer_rate(spans, batch_tokens, mixed["start"], mixed["end"]),
-                              with_trainer_requests_per_s=mixed["requests_per_s"], with_trainer_p99_ms=mixed["p99_ms"],
-                              failures_with_trainer=mixed["failures"])
-            rows.append(dict(
-                ingress=args.ingress, replicas=replicas, request_tokens=size, requests=len(reqs),
-                tokens_per_s=tokens / peak["seconds"], requests_per_s=peak["requests_per_s"],
-                direct_tokens_per_s=base[size], over_direct=tokens / peak["seconds"] / base[size],
-                p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
-                half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
-                tokens_per_worker_call=per_call, fill=per_call / step_tokens,
-                requests_per_line_request=len(reqs) / max(1, calls1[2] - calls0[2]),
-                replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
-                proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs), **beside,
-            ))
-            print(json.dumps(rows[-1]), flush=True)
+    for (replicas, app), (size, reqs), connections in itertools.product(apps.items(), sizes.items(), args.connections):
+        tokens = sum(len(s) for r in reqs for s in r)
+        calls0, cpu0 = worker_calls(pool), cpu_seconds(app)
+        peak = load(f"{url}/{app}", bodies[size], args.client_procs, connections)
+        calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
+        half = load(f"{url}/{app}", bodies[size][: len(reqs) // 2], args.client_procs, 4 * connections,
+                    rate=peak["requests_per_s"] / 2)
+        per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
+        beside = {}
+        if args.trainer:  # the same closed loop with the trainer's calls beside it
+            spans, stop = [], threading.Event()
+            thread = threading.Thread(target=trainer_calls, args=(pool, batch, stop, spans))
+            thread.start()
+            mixed = load(f"{url}/{app}", bodies[size] * 2, args.client_procs, connections)  # (twice as long)
+            stop.set()
+            thread.join()
+            beside = dict(trainer_alone_tokens_per_s=trainer_alone,
+                          trainer_tokens_per_s=trainer_rate(spans, batch_tokens, mixed["start"], mixed["end"]),
+                          with_trainer_requests_per_s=mixed["requests_per_s"], with_trainer_p99_ms=mixed["p99_ms"],
+                          failures_with_trainer=mixed["failures"])
+        rows.append(dict(
+            ingress=args.ingress, replicas=replicas, request_tokens=size, connections=connections,
+            requests=len(reqs),
+            tokens_per_s=tokens / peak["seconds"], requests_per_s=peak["requests_per_s"],
+            direct_tokens_per_s=base[size], over_direct=tokens / peak["seconds"] / base[size],
+            p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
+            half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
+            tokens_per_worker_call=per_call, fill=per_call / step_tokens,
+            requests_per_line_request=len(reqs) / max(1, calls1[2] - calls0[2]),
+            replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
+            proxy_cpu_ms=1000 * (cpu1["proxy"] - cpu0["proxy"]) / len(reqs), **beside,
+        ))
+        print(json.dumps(rows[-1]), flush=True)
     ray.shutdown()  # the Ray this process started, with everything in it (Serve's own shutdown drains for 30 s or more)
     return rows
 
@@ -383,8 +385,10 @@ def main() -> None:
     parser.add_argument("--ingress", nargs="+", default=[DEFAULTS.ingress], choices=["python", "haproxy"])
     parser.add_argument("--replicas", type=int, nargs="+", default=[DEFAULTS.ingress_replicas])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="tokens per request")
-    parser.add_argument("--requests", type=int, default=2000, help="per run")
-    parser.add_argument("--connections", type=int, default=64, help="clients' connections in all")
+    parser.add_argument("--requests", type=int, nargs="+", default=[2000],
+                        help="per run: one for every size, or one per size")
+    parser.add_argument("--connections", type=int, nargs="+", default=[64],
+                        help="clients' connections in all (closed loop; each a run of its own)")
     parser.add_argument("--client-procs", type=int, default=4)
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--trainer", action="store_true",
@@ -392,6 +396,9 @@ def main() -> None:
                              f"{TRAINER_SEQUENCES} rollouts of 256-1024 tokens, one call after another)")
     parser.add_argument("--out")
     args = parser.parse_args()
+    args.requests *= len(args.sizes) if len(args.requests) == 1 else 1
+    if len(args.requests) != len(args.sizes):
+        parser.error(f"--requests: one count, or one per size ({len(args.sizes)}); got {len(args.requests)}")
     if args.answer_sizes:
         answer_sizes(args.out)
         return
@@ -422,21 +429,22 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-    print(f"non-default options: {options or 'none'}; {args.connections} connections from {args.client_procs} "
-          f"client processes; {args.requests} requests a run")
-    print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'req/s':>7} {'tok/s':>9} {'/direct':>7} {'p99 ms':>7} "
-          f"{'p99@half':>8} {'fill':>5} {'joined':>6} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
+    print(f"non-default options: {options or 'none'}; {args.client_procs} client processes; requests a run: "
+          f"{dict(zip(args.sizes, args.requests, strict=True))}")
+    print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'conns':>5} {'req/s':>7} {'tok/s':>9} {'/direct':>7} "
+          f"{'p99 ms':>7} {'p99@half':>8} {'fill':>5} {'joined':>6} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
     for r in rows:
-        print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['requests_per_s']:>7.0f} "
+        print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['connections']:>5} "
+              f"{r['requests_per_s']:>7.0f} "
               f"{r['tokens_per_s']:>9.0f} {r['over_direct']:>7.2f} {r['p99_ms']:>7.1f} {r['half_rate_p99_ms']:>8.1f} "
               f"{r['fill']:>5.2f} {r['requests_per_line_request']:>6.1f} {r['replica_cpu_ms']:>10.2f} "
               f"{r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
     if args.trainer:
         print("with a trainer beside the HTTP load (closed loop), against each alone:")
-        print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'req/s':>7} {'alone':>7} {'p99 ms':>7} {'alone':>7} "
-              f"{'trainer tok/s':>13} {'alone':>9}")
+        print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'conns':>5} {'req/s':>7} {'alone':>7} {'p99 ms':>7} "
+              f"{'alone':>7} {'trainer tok/s':>13} {'alone':>9}")
         for r in rows:
-            print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} "
+            print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['connections']:>5} "
                   f"{r['with_trainer_requests_per_s']:>7.0f} {r['requests_per_s']:>7.0f} "
                   f"{r['with_trainer_p99_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['trainer_tokens_per_s']:>13.0f} "
                   f"{r['trainer_alone_tokens_per_s']:>9.0f}")

@@ -245,7 +245,8 @@ def build_app(settings: Settings):
 
     @serve.deployment(
         num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0}, **spread,
-        max_ongoing_requests=max(settings.max_open_requests, settings.max_queue * len(settings.models) + 64),
+        max_ongoing_requests=max(settings.max_open_requests,
+                                 share(settings.max_queue, settings.ingress_replicas) * len(settings.models) + 64),
         graceful_shutdown_timeout_s=60, logging_config={"enable_access_log": settings.access_log},
     )
     @serve.ingress(app)

@@ -58,8 +58,8 @@ class Settings(BaseSettings):
     max_body_bytes: int | None = Field(
         None, ge=1024, description="request body limit, checked before parsing (null: 16 bytes a token + 1 MiB)"
     )
-    max_queue: int = Field(256, ge=1, description="queued requests per model before answering 429 (over all ingress "
-                           "replicas: each takes an equal share)")
+    max_queue: int = Field(1024, ge=1, description="requests per model handed to its workers and not yet answered "
+                           "before answering 429 (over all ingress replicas: each takes an equal share)")
     dtype: Dtype | None = Field(None, description="the models' dtype (null: each checkpoint's own)")
     backend: Backend = Field("auto", description="the fused head's kernels (auto: triton on CUDA, else torch)")
     gateway_resources: dict[str, float] = Field(
