@@ -17,15 +17,18 @@ os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 def _descendants() -> set[int]:
-    """This pytest process's live descendants (a Ray it started, with its workers; a service it ran)."""
+    """This pytest process's live descendants (a Ray it started, with its workers; a service it ran), less the
+    helper that multiprocessing starts on first use and keeps for the life of this process (its resource tracker:
+    a file that spawned processes would otherwise wait the whole deadline for it)."""
     import psutil
 
     found = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
+            if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(
+                    child.cmdline()):
                 found.add(child.pid)
-        except psutil.NoSuchProcess:
+        except psutil.Error:  # (gone meanwhile)
             pass
     return found
 
