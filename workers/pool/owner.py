@@ -149,7 +149,9 @@ class WeightOwner:
         the sender to broadcast. The update lock is held until the stream has landed or failed."""
         await self.lock.acquire()
         try:
-            layouts = await asyncio.gather(*(w.layout_for.remote(shapes, full, group) for w in self._pool()))
+            # (every worker checks its own state; the first lays the update out: one layout)
+            layouts = await asyncio.gather(*(w.layout_for.remote(shapes, full, group, i == 0)
+                                             for i, w in enumerate(self._pool())))
         except Exception as e:
             self.lock.release()
             raise cause(e) from None

@@ -94,8 +94,8 @@ class PoolWorker:
     def placement_group(self):
         return self.placement
 
-    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None):
-        return self._weights.layout_for(shapes, full, group)
+    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None, lay_out: bool = True):
+        return self._weights.layout_for(shapes, full, group, lay_out)
 
     def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
         return self._weights.stage_checkpoint(path, version, check)

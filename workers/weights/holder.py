@@ -55,13 +55,18 @@ class WeightsHolder:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def layout_for(self, shapes: dict[str, tuple[int, ...]], full: bool = False, group: str | None = None) -> Layout:
+    def layout_for(self, shapes: dict[str, tuple[int, ...]], full: bool = False, group: str | None = None,
+                   lay_out: bool = True) -> Layout | None:
         """Checks an update's names and shapes against the model (IncompatibleWeights) and, for a stream, that
         this worker is in the sender's group; returns the layout the sender sends (whole tensors, this model's
-        dtypes)."""
+        dtypes). `lay_out=False`: only what depends on this worker (its group; a restarted worker's rule), for
+        the pool's other workers, which hold the same model as the one that lays the update out."""
         if group is not None and group not in self._groups:
             raise UpdateFailed(f"a worker is not in the sender's group {group!r} (restarted since it was opened)")
-        return self._plan(shapes, full)[0]
+        if lay_out or (self.version is None and not full):
+            layout = self._plan(shapes, full)[0]
+            return layout if lay_out else None
+        return None
 
     def _plan(self, shapes: dict[str, tuple[int, ...]], full: bool) -> tuple[Layout, Layout, dict]:
         """An update's sent layout, its staging layout, and what each staged tensor is cut from (rank_parts): the

@@ -245,8 +245,9 @@ def test_a_restarted_holder_takes_every_parameter_or_none():
     lacks = "a partial update cannot give it them .*the update lacks 26 of the model's parameters, e.g. 'model.embed"
     with pytest.raises(WeightsUnavailable, match=lacks):
         holder.update_weights(partial, 1)
-    with pytest.raises(WeightsUnavailable, match=lacks):
-        holder.layout_for({NORM: (64,)})
+    for lay_out in (True, False):  # (a pool's other workers check their own state without laying it out)
+        with pytest.raises(WeightsUnavailable, match=lacks):
+            holder.layout_for({NORM: (64,)}, lay_out=lay_out)
     assert_holds(holder.model, before)
     assert holder.version is None
     full = noise(holder.model, 10)
@@ -275,8 +276,16 @@ def test_layout_for_checks_names_and_shapes_and_lays_out_the_models_dtypes_in_th
 
 def test_layout_for_a_group_this_holder_has_not_joined_is_refused_naming_it():
     holder = WeightsHolder(load_model("tiny", backend="torch"), 0)
-    with pytest.raises(UpdateFailed, match="not in the sender's group 'trainer-3'"):
-        holder.layout_for({NORM: (64,)}, group="trainer-3")
+    for lay_out in (True, False):
+        with pytest.raises(UpdateFailed, match="not in the sender's group 'trainer-3'"):
+            holder.layout_for({NORM: (64,)}, group="trainer-3", lay_out=lay_out)
+
+
+def test_the_workers_that_do_not_lay_an_update_out_answer_none():
+    """The pool's owner has one worker lay an update out; the others, holding weights, only check their group."""
+    holder = WeightsHolder(load_model("tiny", backend="torch"), 0)
+    assert holder.layout_for({NORM: (64,)}, lay_out=False) is None
+    assert holder.layout_for({NORM: (64,)}).entries[0].name == NORM
 
 
 @pytest.mark.parametrize("rank", [0, 1])
