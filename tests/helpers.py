@@ -81,13 +81,20 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(num_cpus, apps):
     """A local Ray of num_cpus CPUs and no GPUs (workers placed by CPU on any host) with Serve on a free loopback
-    port, running each app {name: Settings}, the first at "/" and the others at "/<name>"; yields the base URL."""
+    port, running each app {name: Settings}, the first at "/" and the others at "/<name>"; yields the base URL.
+    The apps start side by side, but one that shares another's pools (its pool_name) once that one's are made."""
     ray.init(num_cpus=num_cpus, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        makers, attachers, named = [], [], set()
         for i, (name, settings) in enumerate(apps.items()):
-            serve.run(build_app(settings), name=name, route_prefix="/" if i == 0 else f"/{name}")
+            target = serve.RunTarget(build_app(settings), name=name, route_prefix="/" if i == 0 else f"/{name}")
+            (attachers if settings.pool_name in named else makers).append(target)
+            named.add(settings.pool_name)
+        for targets in (makers, attachers):
+            if targets:
+                serve.run_many(targets)
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

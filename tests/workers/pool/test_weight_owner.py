@@ -36,8 +36,9 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool(cluster):
+    """One pool of two workers for the tests below (each counts versions from the one it finds)."""
     pool = WorkerPool.create("tiny", 2, name="owner-test", max_tokens_per_batch=256, backend="torch")
     yield pool
     pool.shutdown()
@@ -101,35 +102,40 @@ def trainer(cluster, seed, mode, bucket_bytes=1 << 20):
 
 
 def test_a_trainer_process_streams_full_and_partial_updates(cluster, pool):
+    v = pool.weights_version
     done = trainer(cluster, 5, "full")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("version")] == ["1", "2"]
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("version")] == [str(v + 1),
+                                                                                                  str(v + 2)]
     expected = perturbed(5)
     with torch.no_grad():
         expected.lm_head.weight.mul_(2)  # the partial update: only the head changed
-    assert_serves(pool, expected, 2)
+    assert_serves(pool, expected, v + 2)
 
 
 def test_a_trainer_holding_fsdp_shards_streams_them(cluster, pool):
+    v = pool.weights_version
     done = trainer(cluster, 14, "fsdp", bucket_bytes=50_000)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "sharded DTensor" in done.stdout and "version 1" in done.stdout
-    assert_serves(pool, perturbed(14), 1)
+    assert "sharded DTensor" in done.stdout and f"version {v + 1}" in done.stdout
+    assert_serves(pool, perturbed(14), v + 1)
 
 
 def test_a_trainer_killed_mid_stream_changes_nothing(cluster, pool, tmp_path):
+    before = save(perturbed(17), tmp_path / "before")
+    v = pool.update_weights(before)
     done = trainer(cluster, 6, "dies", bucket_bytes=20_000)  # many buckets: it dies after sending some
     assert done.returncode == 9, done.stderr[-3000:]
-    assert_serves(pool, load_model("tiny", backend="torch"), 0)
+    assert_serves(pool, load_model(before, backend="torch"), v)
     new = perturbed(7)
     version = pool.update_weights(save(new, tmp_path / "ckpt"))  # the owner is free for the next update
-    assert version >= 1
+    assert version > v
     assert_serves(pool, new, version)
 
 
 def test_refused_updates_change_nothing(pool, tmp_path):
     path = save(perturbed(8), tmp_path / "good")
-    assert pool.update_weights(path) == 1
+    v = pool.update_weights(path)
     truncated = tmp_path / "truncated"
     shutil.copytree(path, truncated)
     shard = next(truncated.glob("*.safetensors"))
@@ -146,9 +152,9 @@ def test_refused_updates_change_nothing(pool, tmp_path):
     for weights, error, message in refusals:
         with pytest.raises(error, match=message):
             pool.update_weights(weights)
-    assert_serves(pool, load_model(path, backend="torch"), 1)
-    assert pool.update_weights(path) == 2  # a refused update took no version
-    assert pool.update_weights({"model.norm.weight": norm}, allow_non_finite=True) == 3  # unless allowed
+    assert_serves(pool, load_model(path, backend="torch"), v)
+    assert pool.update_weights(path) == v + 1  # a refused update took no version
+    assert pool.update_weights({"model.norm.weight": norm}, allow_non_finite=True) == v + 2  # unless allowed
 
 
 def test_restarted_workers_come_back_with_the_current_weights(pool, tmp_path):
@@ -172,6 +178,7 @@ def test_restarted_workers_come_back_with_the_current_weights(pool, tmp_path):
 
 def test_two_handles_updating_at_once_get_distinct_increasing_versions(pool, tmp_path):
     paths = [save(perturbed(20 + i), tmp_path / f"c{i}") for i in range(4)]
+    v = pool.weights_version
     other = WorkerPool.connect("owner-test")  # a trainer's handle beside the service's
     landed, errors = [], []
 
@@ -188,9 +195,9 @@ def test_two_handles_updating_at_once_get_distinct_increasing_versions(pool, tmp
         t.join(300)
     assert not errors
     versions = sorted(v for v, _ in landed)
-    assert versions == list(range(1, 9))
+    assert versions == list(range(v + 1, v + 9))
     last = max(landed)[1]
-    assert_serves(other, load_model(last, backend="torch"), 8)
+    assert_serves(other, load_model(last, backend="torch"), v + 8)
 
 
 def kept(pool):
