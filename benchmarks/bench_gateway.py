@@ -363,7 +363,7 @@ def answer_sizes(out: str | None) -> None:
         result = worker.score_request(request)
         header = {"model": "policy", "weights_version": 0, "usage": {"sequences": len(seqs)}}
         scored = int(result.offsets[-1])
-        sizes = {name: len(encode(header, result.log_probs, result.entropy, result.offsets, result.extras(),
+        sizes = {name: len(encode(header, result.log_probs, result.entropy, result.offsets, result.extras,
                                   request.candidate_counts())) / scored
                  for name, encode in (("json", encode_json), ("binary", encode_binary))}
         rows.append(dict(case=case, scored_tokens=scored, json_bytes_per_token=sizes["json"],

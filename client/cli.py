@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ppo_logprobs.workers.outputs import OUTPUTS
+
 
 def _write(stream, text: str) -> None:
     stream.write(text)
@@ -133,9 +135,8 @@ def score(args: argparse.Namespace) -> None:
                     line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
                     if r.entropy is not None:
                         line["entropy"] = r.entropy.tolist()
-                    if args.top_k:  # (a tail of -inf, no token outside the top k, as null)
-                        line.update(top_log_probs=r.top_log_probs.tolist(), top_ids=r.top_ids.tolist(),
-                                    tail_log_prob=[None if np.isneginf(x) else x for x in r.tail_log_prob.tolist()])
+                    # the per-token outputs asked for (top_k): a tail of -inf, no token outside the top k, as null
+                    line.update({name: OUTPUTS[name].to_json(values) for name, values in r.extras.items()})
                     out.write(json.dumps(line) + "\n")
                 out.flush()
                 tokens += sum(len(r["input_ids"]) for r in batch)

@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 
 from ppo_logprobs.workers.errors import WeightsChanged
+from ppo_logprobs.workers.outputs import OUTPUTS
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX as SHARED_PREFIX  # (the server's default)
 from ppo_logprobs.workers.request import Parts, SequenceScores
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
@@ -106,10 +107,6 @@ def _bodies(input_ids, score_from, temperature, model, limit, *, return_entropy,
     return bodies
 
 
-_JSON_DTYPES = {"top_log_probs": np.float32, "top_ids": np.int32, "tail_log_prob": np.float32,
-                "candidate_log_probs": np.float32}
-
-
 def _results(responses: list[dict]) -> list[SequenceLogProbs]:
     out = []
     for resp in responses:
@@ -120,23 +117,22 @@ def _results(responses: list[dict]) -> list[SequenceLogProbs]:
             arrays = dict(resp.get("arrays", {}))
             counts = arrays.pop("candidate_counts", None)
             extras = {name: np.split(values, cuts) for name, values in arrays.items()}
-            if counts is not None:
-                extras["candidate_log_probs"] = [c[:, :k] for c, k in zip(extras["candidate_log_probs"], counts,
-                                                                          strict=True)]
+            if counts is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
+                for name in extras:
+                    if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+                        extras[name] = [c[:, :k] for c, k in zip(extras[name], counts, strict=True)]
             stats = resp.get("mismatch")
-            out.extend(SequenceLogProbs(a, b, resp["weights_version"], **{k: v[i] for k, v in extras.items()},
+            out.extend(SequenceLogProbs(a, b, resp["weights_version"], extras={k: v[i] for k, v in extras.items()},
                                         mismatch={k: v[i] for k, v in stats.items()} if stats else None)
                        for i, (a, b) in enumerate(zip(lp, ent, strict=True)))
             continue
         for r in resp["results"]:
             entropy = r.get("entropy")
-            extras = {name: np.asarray([-np.inf if x is None else x for x in r[name]] if name == "tail_log_prob"
-                                       else r[name], dtype=dtype)
-                      for name, dtype in _JSON_DTYPES.items() if r.get(name) is not None}
             out.append(SequenceLogProbs(
                 log_probs=np.asarray(r["log_probs"], dtype=np.float32),
                 entropy=np.asarray(entropy, dtype=np.float32) if entropy is not None else None,
-                weights_version=resp["weights_version"], **extras, mismatch=r.get("mismatch"),
+                weights_version=resp["weights_version"], mismatch=r.get("mismatch"),
+                extras={name: output.from_json(r[name]) for name, output in OUTPUTS.items() if r.get(name) is not None},
             ))
     return out
 

@@ -187,7 +187,7 @@ async def logprobs(request: Request, call: LogProbsCall) -> Response:
         binary = wants_binary(request.headers.get("accept", ""))
         encode = encode_binary if binary else encode_json
         entropy = result.entropy if parsed.return_entropy else None
-        content = await off_loop(inline, encode, header, result.log_probs, entropy, result.offsets, result.extras(),
+        content = await off_loop(inline, encode, header, result.log_probs, entropy, result.offsets, result.extras,
                                  scores.candidate_counts())
         return Response(content, media_type=BINARY if binary else "application/json",
                         headers={"X-Calls-Waited": str(waited)})

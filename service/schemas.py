@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
 
+from ppo_logprobs.workers.outputs import OUTPUTS, Output
 from ppo_logprobs.workers.wire import ModelInfo
 
 
@@ -43,17 +45,24 @@ class LogProbsRequest(BaseModel):
         "each result then says how far they are from ours (mismatch)")
 
 
-class SequenceResult(BaseModel):
+class _SequenceResult(BaseModel):
     log_probs: list[float]
     entropy: list[float] | None = None
-    top_log_probs: list[list[float]] | None = Field(None, description="[entries, k], most likely first")
-    top_ids: list[list[int]] | None = Field(None, description="[entries, k]; ties to the lower id")
-    tail_log_prob: list[float | None] | None = Field(None, description="every token outside the top k (null: none)")
-    candidate_log_probs: list[list[float]] | None = Field(None, description="[entries, len(token_ids)]")
     mismatch: dict[str, float] | None = Field(
         None, description="given rollout_log_probs: mean_abs and max_abs of ours - rollout, kl_k3 (the k3 estimate of "
         "KL(rollout || ours)) and outside (the share of tokens whose ratio exp(ours - rollout) lies outside the "
         "service's ratio_bounds)")
+
+
+def _output_field(output: Output) -> tuple:
+    """A per-token output's field in a result (workers/outputs.py): a list per entry where it is wide."""
+    value = int if np.dtype(output.dtype).kind in "iu" else float
+    value = value | None if output.null is not None else value
+    return (list[list[value]] if output.wide else list[value]) | None, Field(None, description=output.description)
+
+
+SequenceResult = create_model("SequenceResult", __base__=_SequenceResult,
+                              **{name: _output_field(output) for name, output in OUTPUTS.items()})
 
 
 class Usage(BaseModel):

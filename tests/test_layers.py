@@ -2,9 +2,9 @@
 layer imports only its own layer and the ones below it. An import inside a function (lazy) is an edge too; the
 messages mark it. Not seen: imports by string (workers/__init__.py's lazy attribute table, `import_module`).
 
-Layers, bottom to top: the contract (workers/{errors,request,wire,sharding,families,distributed,prefixes}.py), the head,
-the weights (tensors staged, read, sent: they know no model class), the models, the pool (with the workers package
-itself and its __main__), the service, and the client, which imports only the contract when it is imported (a
+Layers, bottom to top: the contract (workers/{errors,outputs,request,wire,sharding,families,distributed,prefixes}.py),
+the head, the weights (tensors staged, read, sent: they know no model class), the models, the pool (with the workers
+package itself and its __main__), the service, and the client, which imports only the contract when it is imported (a
 rollout worker needs neither Ray nor torch) and the pool only inside `connect_pool` (a trainer's); the framework
 adapters (integrations) on top."""
 
@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOPS = ("workers", "service", "client", "integrations")  # the import root's subpackages (pyproject.toml's package-dir)
 W = "ppo_logprobs.workers"
-CONTRACT = {f"{W}.{name}" for name in ("errors", "request", "wire", "sharding", "families", "distributed", "prefixes")}
+CONTRACT = {f"{W}.{name}" for name in ("errors", "outputs", "request", "wire", "sharding", "families", "distributed",
+                                        "prefixes")}
 ORDER = ("contract", "head", "weights", "models", "pool", "service", "client", "integrations")  # bottom to top
 CLIENT_MAY_IMPORT = {"contract", "client"}
 

@@ -8,13 +8,14 @@ workers. Nothing on the way costs Python work per token; per-sequence work is ve
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
 from .errors import RequestError, TooLarge, WeightsChanged, clip
+from .outputs import OUTPUTS
 
 # Temperatures outside this range are refused: far below it the scaled logits overflow fp32 (NaN), far above it
 # every distribution is uniform to fp32 precision.
@@ -391,27 +392,37 @@ class Parts(Generic[R]):
         return [r for _, r in sorted(self.parts, key=lambda part: part[0].start)]
 
 
+class _Outputs:
+    """The per-token outputs of the table (outputs.OUTPUTS) read as attributes from `extras`: result.top_ids, say,
+    is result.extras.get("top_ids") (None where not asked for)."""
+
+    if TYPE_CHECKING:  # (the table's rows today, for readers and type checkers)
+        top_log_probs: np.ndarray | None  # float32 [entries, k], most likely first (top_k asked)
+        top_ids: np.ndarray | None  # int32 [entries, k]
+        tail_log_prob: np.ndarray | None  # float32 [entries]: every token outside the top k
+        candidate_log_probs: np.ndarray | None  # float32 [entries, C] (token_ids asked)
+
+    def __getattr__(self, name: str):
+        if name in OUTPUTS:
+            return self.__dict__.get("extras", {}).get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
 @dataclass
-class SequenceScores:
+class SequenceScores(_Outputs):
     """One sequence's result: entry k is for token seq[score_from + k] given seq[:score_from + k]."""
 
     log_probs: np.ndarray  # float32, [len(seq) - score_from]
     entropy: np.ndarray | None  # float32, same length; None when not asked for
     weights_version: int
-    top_log_probs: np.ndarray | None = None  # float32 [entries, k], most likely first (top_k asked)
-    top_ids: np.ndarray | None = None  # int32 [entries, k]
-    tail_log_prob: np.ndarray | None = None  # float32 [entries]: every token outside the top k
-    candidate_log_probs: np.ndarray | None = None  # float32 [entries, C] (token_ids asked)
     # how far a rollout engine's log-probs of these tokens are from these (given rollout_log_probs): mean_abs,
     # max_abs, kl_k3, outside (see `mismatch`)
     mismatch: dict[str, float] | None = None
-
-
-EXTRAS = ("top_log_probs", "top_ids", "tail_log_prob", "candidate_log_probs")  # per entry, beside log_probs
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # the per-token outputs asked for, by name
 
 
 @dataclass
-class ScoreResult:
+class ScoreResult(_Outputs):
     """Every sequence's entries, one flat float32 array with offsets, computed with one weights version."""
 
     log_probs: np.ndarray  # float32 [scored]: sequence i's are log_probs[offsets[i] : offsets[i + 1]]
@@ -421,17 +432,10 @@ class ScoreResult:
     # float64 [n]: the tokens computed for each sequence, a piece shared by k sequences counting 1/k to each
     # (workers/prefixes.py); None: not told (then each sequence's own length)
     computed: np.ndarray | None = None
-    # per entry, as SequenceScores (rows of [scored, ...]); None where not asked for
-    top_log_probs: np.ndarray | None = None
-    top_ids: np.ndarray | None = None
-    tail_log_prob: np.ndarray | None = None
-    candidate_log_probs: np.ndarray | None = None
+    # the per-token outputs asked for (outputs.OUTPUTS), by name: rows of [scored, ...] as log_probs
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
     # the steps a worker's line began between this request's coming and its first part (the most over its workers)
     steps_waited: int = 0
-
-    def extras(self) -> dict[str, np.ndarray]:
-        """The per-entry arrays asked for beside log_probs and entropy, by name."""
-        return {name: value for name in EXTRAS if (value := getattr(self, name)) is not None}
 
     def computed_tokens(self, lengths: np.ndarray) -> int:
         """The tokens computed for these sequences (whose lengths are `lengths`)."""
@@ -446,11 +450,12 @@ class ScoreResult:
         cuts = self.offsets[1:-1]
         lp = np.split(self.log_probs, cuts)
         ent = np.split(self.entropy, cuts) if self.entropy is not None else [None] * len(lp)
-        extras = {name: np.split(value, cuts) for name, value in self.extras().items()}
-        if candidates is not None and "candidate_log_probs" in extras:
-            extras["candidate_log_probs"] = [c[:, :k] for c, k in zip(extras["candidate_log_probs"], candidates,
-                                                                      strict=True)]
-        return [SequenceScores(a, b, self.weights_version, **{name: parts[i] for name, parts in extras.items()})
+        extras = {name: np.split(value, cuts) for name, value in self.extras.items()}
+        if candidates is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
+            for name in extras:
+                if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+                    extras[name] = [c[:, :k] for c, k in zip(extras[name], candidates, strict=True)]
+        return [SequenceScores(a, b, self.weights_version, extras={name: parts[i] for name, parts in extras.items()})
                 for i, (a, b) in enumerate(zip(lp, ent, strict=True))]
 
     def span(self, lo: int, hi: int) -> ScoreResult:
@@ -459,7 +464,7 @@ class ScoreResult:
         entropy = self.entropy[a:b] if self.entropy is not None else None
         computed = None if self.computed is None else self.computed[lo:hi]
         return ScoreResult(self.log_probs[a:b], entropy, self.offsets[lo : hi + 1] - a, self.weights_version, computed,
-                           **{name: value[a:b] for name, value in self.extras().items()})
+                           {name: value[a:b] for name, value in self.extras.items()})
 
     @staticmethod
     def merge(parts: Sequence[tuple[np.ndarray, ScoreResult]], n: int, entropy: bool) -> ScoreResult:
@@ -473,14 +478,14 @@ class ScoreResult:
         log_probs = np.empty(offsets[-1], dtype=np.float32)
         ent = np.empty(offsets[-1], dtype=np.float32) if entropy else None
         extras = {name: np.empty((offsets[-1], *value.shape[1:]), dtype=value.dtype)
-                  for name, value in parts[0][1].extras().items()} if parts else {}
+                  for name, value in parts[0][1].extras.items()} if parts else {}
         for index, part in parts:
             where = ragged_index(offsets[:-1][index], counts[index])
             log_probs[where] = part.log_probs
             if ent is not None:
                 ent[where] = part.entropy
             for name, value in extras.items():
-                value[where] = getattr(part, name)
+                value[where] = part.extras[name]
         versions = {part.weights_version for _, part in parts}
         if len(versions) > 1:
             raise ValueError(f"parts of versions {sorted(versions)} cannot be merged")
@@ -490,16 +495,23 @@ class ScoreResult:
             for index, part in parts:
                 computed[index] = part.computed
         waited = max((part.steps_waited for _, part in parts), default=0)
-        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, **extras,
+        return ScoreResult(log_probs, ent, offsets, versions.pop() if versions else -1, computed, extras,
                            steps_waited=waited)
 
     def fit(self, request: ScoreRequest) -> ScoreResult:
         """This result (of a call `request` was joined into) as `request` asked for it: candidates cut to the width
         of its own lists, or none."""
-        if self.candidate_log_probs is None:
+        if not any(OUTPUTS[name].asked_by == "token_ids" for name in self.extras):
             return self
         width = 0 if request.token_ids is None else request.token_ids.shape[1]
-        return replace(self, candidate_log_probs=self.candidate_log_probs[:, :width] if width else None)
+        extras = {}
+        for name, value in self.extras.items():  # (those of token_ids: none unless it asked, the wide ones cut)
+            output = OUTPUTS[name]
+            if output.asked_by != "token_ids":
+                extras[name] = value
+            elif width:
+                extras[name] = value[:, :width] if output.wide else value
+        return replace(self, extras=extras)
 
     def all_finite(self) -> bool:
         return bool(np.isfinite(self.log_probs).all() and (self.entropy is None or np.isfinite(self.entropy).all()))

@@ -3,9 +3,10 @@ float32) or, when the client's Accept header names BINARY, a compact binary body
 
 BINARY body: a little-endian uint32 n, n bytes of JSON header {"model", "weights_version", "usage", "sequences",
 "entropy": bool, "extras": {name: width}}, then int64 offsets [sequences + 1], float32 log_probs [offsets[-1]],
-float32 entropy of the same length when the header says so, then each extra it names, in EXTRA_DTYPES' order,
-[offsets[-1], width] (or [offsets[-1]] for width 0), and after candidate_log_probs, int64 candidate counts
-[sequences] (how many of the columns each sequence asked for). Sequence i's values are [offsets[i], offsets[i + 1]).
+float32 entropy of the same length when the header says so, then each per-token output it names, in the order
+and dtypes of their table (workers/outputs.py), [offsets[-1], width] (or [offsets[-1]] for width 0), and after
+them, when any is asked for by token_ids, int64 candidate counts [sequences] (how many of the columns each
+sequence asked for). Sequence i's values are [offsets[i], offsets[i + 1]).
 About 4 bytes per scored token per array, against about 10-11 as JSON text. Also what a served model is
 (ModelInfo). Part of the contract between the gateway and its clients: imports numpy, orjson and pydantic only.
 """
@@ -20,9 +21,9 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, Field
 
+from .outputs import OUTPUTS
+
 BINARY = "application/x-ppo-logprobs"
-# per-entry arrays beyond log_probs and entropy, in the order a BINARY body holds them, and their dtypes
-EXTRA_DTYPES = {"top_log_probs": "<f4", "top_ids": "<i4", "tail_log_prob": "<f4", "candidate_log_probs": "<f4"}
 
 
 def encode_json(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None, offsets: np.ndarray,
@@ -42,9 +43,11 @@ def encode_json(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None,
     for name, values in columns.items():
         for result, part in zip(results, np.split(values, cuts), strict=True):
             result[name] = part
-    if candidates is not None and "candidate_log_probs" in columns:
-        for result, count in zip(results, candidates, strict=True):
-            result["candidate_log_probs"] = np.ascontiguousarray(result["candidate_log_probs"][:, :count])
+    if candidates is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
+        for name in extras or {}:
+            if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+                for result, count in zip(results, candidates, strict=True):
+                    result[name] = np.ascontiguousarray(result[name][:, :count])
     return orjson.dumps({**header, "results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
@@ -57,11 +60,12 @@ def encode_binary(header: dict, log_probs: np.ndarray, entropy: np.ndarray | Non
     parts = [struct.pack("<I", len(head)), head, offsets.astype("<i8").tobytes(), log_probs.astype("<f4").tobytes()]
     if entropy is not None:
         parts.append(entropy.astype("<f4").tobytes())
-    for name in EXTRA_DTYPES:
+    for name, output in OUTPUTS.items():
         if name in extras:
-            parts.append(np.ascontiguousarray(extras[name], dtype=EXTRA_DTYPES[name]).tobytes())
-    if "candidate_log_probs" in extras:
-        counts = candidates if candidates is not None else np.full(len(offsets) - 1, widths["candidate_log_probs"])
+            parts.append(np.ascontiguousarray(extras[name], dtype=output.dtype).tobytes())
+    by_ids = [name for name in extras if OUTPUTS[name].asked_by == "token_ids"]
+    if by_ids:
+        counts = candidates if candidates is not None else np.full(len(offsets) - 1, max(widths[n] for n in by_ids))
         parts.append(np.asarray(counts, dtype="<i8").tobytes())
     return b"".join(parts)
 
@@ -84,13 +88,16 @@ def decode_binary(body: bytes) -> tuple[dict, np.ndarray, np.ndarray | None, np.
             entropy = np.frombuffer(body, dtype="<f4", count=total, offset=at)
             at += 4 * total
         arrays = {}
-        for name, dtype in EXTRA_DTYPES.items():
-            if name in header.get("extras", {}):
-                width = int(header["extras"][name])
-                values = np.frombuffer(body, dtype=dtype, count=total * max(width, 1), offset=at)
+        named = header.get("extras", {})
+        if set(named) - set(OUTPUTS):
+            raise ValueError(f"outputs this client does not know: {sorted(set(named) - set(OUTPUTS))}")
+        for name, output in OUTPUTS.items():
+            if name in named:
+                width = int(named[name])
+                values = np.frombuffer(body, dtype=output.dtype, count=total * max(width, 1), offset=at)
                 arrays[name] = values.reshape(total, width) if width else values
                 at += values.nbytes
-        if "candidate_log_probs" in arrays:
+        if any(OUTPUTS[name].asked_by == "token_ids" for name in arrays):
             arrays["candidate_counts"] = np.frombuffer(body, dtype="<i8", count=header["sequences"], offset=at)
             at += 8 * header["sequences"]
         if at != len(body):

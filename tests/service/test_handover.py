@@ -54,14 +54,14 @@ def assert_alone(worker, request: ScoreRequest, result) -> None:
     np.testing.assert_allclose(result.log_probs, alone.log_probs, rtol=0, atol=1e-5)
     if request.return_entropy:
         np.testing.assert_allclose(result.entropy, alone.entropy, rtol=0, atol=1e-5)
-    for name, value in alone.extras().items():
+    for name, value in alone.extras.items():
         got = getattr(result, name)
         assert got is not None and got.shape == value.shape, name
         if name == "top_ids":
             assert (got == value).mean() > 0.99
         else:
             np.testing.assert_allclose(got, value, rtol=0, atol=1e-5)
-    assert set(result.extras()) == set(alone.extras())
+    assert set(result.extras) == set(alone.extras)
 
 
 def test_small_requests_arriving_together_go_as_one_call_and_each_gets_its_own_answer(worker):

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..outputs import asked
 from .torch_log_probs import Extras, torch_log_probs_backward, torch_log_probs_forward
 
 Backend = Literal["auto", "torch", "triton"]
@@ -48,6 +49,9 @@ def backend_forward(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Te
     """The chosen backend's forward on flattened inputs: (log_probs, entropy or None, lse, Extras)."""
     kwargs = dict(ignore_index=ignore_index, compute_entropy=opts.compute_entropy, softcap=opts.softcap,
                   top_k=opts.top_k, candidates=candidates)
+    own = [o.name for o in asked(opts.top_k, 0 if candidates is None else candidates.shape[1]) if o.torch]
+    if opts.backend == "triton" and own:
+        raise ValueError(f"the output {own[0]!r} has no Triton kernel: ask for it with backend='torch'")
     if opts.backend == "triton":
         from .triton_log_probs_forward import triton_log_probs_forward
 

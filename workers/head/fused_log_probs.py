@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..outputs import asked
 from ..request import MAX_TOP_K  # (the widest top-k the Triton kernels keep: a vocabulary tile holds a top list)
 from .backends import Backend, HeadOptions, backend_backward, backend_forward, resolve_backend
 from .torch_log_probs import Extras
@@ -89,19 +90,18 @@ def _inverse_temperature(temperature: float | Tensor, labels: Tensor, check_valu
 
 
 class HeadOutput(NamedTuple):
-    """fused_log_probs' answer when asked for more than log-probs and entropies (see there); per position, the
-    extra fields are log-probabilities under the same logits, not differentiable."""
+    """fused_log_probs' answer when asked for more than log-probs and entropies (see there): `extras`, the per-token
+    outputs asked for by the name of their row (workers/outputs.py), read as attributes too: top_log_probs
+    [..., k] (most likely first), top_ids [..., k] (int64), tail_log_prob [...] (the log of the probability of
+    every token outside the top k), candidate_log_probs [..., C]; None where not asked for. Per position, they are
+    log-probabilities under the same logits, not differentiable."""
 
     log_probs: Tensor
     entropy: Tensor | None
-    top_log_probs: Tensor | None = None  # [..., k], most likely first
-    top_ids: Tensor | None = None  # [..., k], int64
-    tail_log_prob: Tensor | None = None  # [...], the log of the probability of every token outside the top k
-    candidate_log_probs: Tensor | None = None  # [..., C]
+    extras: Extras
 
-
-def _extras(extras: Extras) -> tuple:
-    return extras.top_log_probs, extras.top_ids, extras.tail_log_prob, extras.candidate_log_probs
+    def __getattr__(self, name: str) -> Tensor | None:
+        return getattr(self.extras, name)
 
 
 class _FusedLogProbs(torch.autograd.Function):
@@ -113,7 +113,7 @@ class _FusedLogProbs(torch.autograd.Function):
                                                           ignore_index=opts.ignore_index, candidates=candidates)
         ctx.save_for_backward(hidden, weight, labels, inv_temp, lse, entropy)
         ctx.opts = opts
-        more = _extras(extras)
+        more = extras.values_in_order()  # (an autograd Function answers tensors: the table's, None if not asked)
         ctx.mark_non_differentiable(*(t for t in more if t is not None))
         return log_probs, entropy, *more
 
@@ -221,11 +221,10 @@ def fused_log_probs(
         out = empty, (empty.clone() if compute_entropy else None)
         if not more:
             return out
-        new = dict(dtype=torch.float32, device=hidden.device)
-        return HeadOutput(*out, *(
-            (torch.zeros(*shape, top_k, **new), torch.zeros(*shape, top_k, dtype=torch.int64, device=hidden.device),
-             torch.zeros(shape, **new)) if top_k else (None, None, None)),
-            torch.zeros(*shape, candidates.shape[1], **new) if candidates is not None else None)
+        wanted = asked(top_k, 0 if candidates is None else candidates.shape[1])
+        return HeadOutput(*out, Extras({o.name: torch.zeros(*shape, *((w,) if w else ()), device=hidden.device,
+                                                            dtype=torch.int64 if o.dtype[1] in "iu" else torch.float32)
+                                        for o, w in wanted.items()}))
     if process_group is not None:
         log_probs, entropy, *extras = vocab_parallel_log_probs(flat_hidden, weight, flat_labels, inv_temp, opts,
                                                                process_group, start, candidates)
@@ -235,11 +234,8 @@ def fused_log_probs(
     log_probs, entropy = log_probs.view(shape), (entropy.view(shape) if entropy is not None else None)
     if not more:
         return log_probs, entropy
-    top_lp, top_ids, tail, cands = extras
-    return HeadOutput(log_probs, entropy,
-                      *((top_lp.view(*shape, top_k), top_ids.view(*shape, top_k), tail.view(shape)) if top_k
-                        else (None, None, None)),
-                      cands.view(*shape, cands.shape[-1]) if cands is not None else None)
+    extras = Extras.in_order(extras)
+    return HeadOutput(log_probs, entropy, Extras({name: t.view(*shape, *t.shape[1:]) for name, t in extras.items()}))
 
 
 class FusedLinearForPPO(nn.Module):

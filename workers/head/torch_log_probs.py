@@ -9,24 +9,36 @@ log_prob = z[label] - lse, entropy = lse - sum(softmax(z) * z). Asked for (`Extr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from ..outputs import OUTPUTS, asked
 
-@dataclass
-class Extras:
-    """What a forward gives beside log-probs and entropies, per token, log-probabilities under the same logits (fp32;
-    0, and ids -1, at ignored tokens): the top_k most likely tokens' `top_log_probs` [N, k], in order, ties to the
-    lower id, and their ids `top_ids` [N, k] (int64); `tail_log_prob` [N], the log of the probability of all the
-    other tokens (-inf when k is V); `candidate_log_probs` [N, C], those of the candidate ids (0 where a candidate
-    is negative: not this device's rows, under vocab parallelism)."""
 
-    top_log_probs: Tensor | None = None
-    top_ids: Tensor | None = None
-    tail_log_prob: Tensor | None = None
-    candidate_log_probs: Tensor | None = None
+class Extras(dict):
+    """What a forward gives beside log-probs and entropies, per token, by the name of its row in the per-token
+    outputs' table (workers/outputs.py), read and set as attributes too (None where not asked for): log-probabilities
+    under the same logits (fp32; 0, and ids -1, at ignored tokens): the top_k most likely tokens' `top_log_probs`
+    [N, k], in order, ties to the lower id, and their ids `top_ids` [N, k] (int64); `tail_log_prob` [N], the log of
+    the probability of all the other tokens (-inf when k is V); `candidate_log_probs` [N, C], those of the candidate
+    ids (0 where a candidate is negative: not this device's rows, under vocab parallelism); and a row's that brings
+    its own computation (Output.torch), here."""
+
+    def __getattr__(self, name: str) -> Tensor | None:
+        if name in OUTPUTS:
+            return self.get(name)
+        raise AttributeError(f"'Extras' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Tensor | None) -> None:
+        self[name] = value
+
+    def values_in_order(self) -> tuple:
+        """Its tensors in the table's order, None where not asked for (an autograd Function's outputs)."""
+        return tuple(self.get(name) for name in OUTPUTS)
+
+    @staticmethod
+    def in_order(values) -> Extras:
+        return Extras({name: v for name, v in zip(OUTPUTS, values, strict=True) if v is not None})
 
 
 def order_keys(z: Tensor, ids: Tensor) -> Tensor:
@@ -117,6 +129,10 @@ def torch_log_probs_forward(
         extras.tail_log_prob = torch.zeros_like(log_probs)
     if candidates is not None:
         extras.candidate_log_probs = torch.zeros(candidates.shape, dtype=out_dtype, device=hidden.device)
+    own = [(o, w) for o, w in asked(top_k, 0 if candidates is None else candidates.shape[1]).items() if o.torch]
+    for output, width in own:
+        extras[output.name] = torch.zeros((n, width) if width else (n,), dtype=_torch_dtype(output.dtype),
+                                          device=hidden.device)
     for start in range(0, n, chunk_size):
         rows = min(chunk_size, n - start)
         logits, _ = _chunk_logits(hidden, weight_c, inv_temp, start, chunk_size, softcap)  # [C, V]
@@ -141,7 +157,15 @@ def torch_log_probs_forward(
             ids = candidates[start : start + rows]
             picked = logits[:rows].gather(-1, ids.clamp(min=0)) - chunk_lse[:rows, None]
             extras.candidate_log_probs[start : start + rows] = torch.where(kept & (ids >= 0), picked, 0.0).to(out_dtype)
+        for output, width in own:  # (0 at ignored tokens, as the others)
+            values = output.torch(logits[:rows], chunk_lse[:rows])
+            extras[output.name][start : start + rows] = torch.where(kept if width else kept[:, 0], values, 0)
     return log_probs, entropy, lse, extras
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    """A row's values on the device: fp32, or int64 for ids (results hold them as the row's dtype)."""
+    return torch.int64 if dtype[1] in "iu" else torch.float32
 
 
 def torch_log_probs_backward(

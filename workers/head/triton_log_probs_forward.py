@@ -18,7 +18,7 @@ masses (the other tiles', the rest of the chosen tiles'), never 1 minus the top 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -448,8 +448,7 @@ def triton_log_probs_forward(
             candidates=None if candidates is None else candidates[i:i + chunk]) for i in range(0, n, chunk)]
         log_probs, entropy, lse = (None if parts[0][j] is None else torch.cat([part[j] for part in parts])
                                    for j in range(3))
-        extras = Extras(**{f.name: None if getattr(parts[0][3], f.name) is None
-                           else torch.cat([getattr(part[3], f.name) for part in parts]) for f in fields(Extras)})
+        extras = Extras({name: torch.cat([part[3][name] for part in parts]) for name in parts[0][3]})
         return log_probs, entropy, lse, extras
 
     tiles_per_split = triton.cdiv(num_tiles, cfg.num_splits)

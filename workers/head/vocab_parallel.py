@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from ..distributed import gather_rows, sum_over
+from ..outputs import OUTPUTS
 from .backends import HeadOptions, backend_backward, backend_forward
-from .torch_log_probs import order_keys
+from .torch_log_probs import Extras, order_keys
 
 # label markers inside a rank's call: never a row index, never the caller's ignore_index (translated to _IGNORED)
 _IGNORED, _ELSEWHERE = -2, -1
@@ -82,7 +83,13 @@ def _merged_extras(extras, lse_r: Tensor, lse: Tensor, ignored: Tensor, start: i
                    k: int) -> tuple:
     """Every rank's top lists and candidates merged alike on every rank: each rank's k most likely (logits
     rebuilt as log-prob + its lse, ids made global), the k largest of them in rank order with ties to the lower id,
-    the rest and every rank's tail into the tail; a candidate's logit from the rank holding it."""
+    the rest and every rank's tail into the tail; a candidate's logit from the rank holding it. In the order of the
+    per-token outputs' table (None where not asked for); a row that brings its own computation is refused: its
+    values over part of the vocabulary would need a merge of their own."""
+    own = [name for name in extras if OUTPUTS[name].torch is not None]
+    if own:
+        raise ValueError(f"the output {own[0]!r} is computed by the torch backend on one device, not split by "
+                         "vocabulary")
     top_lp = top_ids = tail = cands = None
     if k:
         top_z = extras.top_log_probs + lse_r[:, None]
@@ -104,7 +111,8 @@ def _merged_extras(extras, lse_r: Tensor, lse: Tensor, ignored: Tensor, start: i
     if mine is not None:
         z_c = torch.where(mine >= 0, extras.candidate_log_probs + lse_r[:, None], 0.0)
         cands = torch.where(ignored[:, None], 0.0, sum_over(z_c, group) - lse[:, None])
-    return top_lp, top_ids, tail, cands
+    merged = Extras(top_log_probs=top_lp, top_ids=top_ids, tail_log_prob=tail, candidate_log_probs=cands)
+    return merged.values_in_order()
 
 
 def vocab_parallel_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, inv_temp: Tensor, opts: HeadOptions,

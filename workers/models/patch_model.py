@@ -214,11 +214,15 @@ def _forward_for_ppo(
     )
     fields = dict(zip(("log_probs", "entropy"), out, strict=False))
     if top_k or token_ids is not None:
-        fields = {name: getattr(out, name) for name in out._fields}
+        fields.update(out.extras)
     if scored is None:  # back to [B, T] (and [B, T, ...]), 0 where nothing was scored
         fields = {name: None if x is None else _spread(x, wanted, input_ids.shape) for name, x in fields.items()}
-    return CausalLMOutputForPPO(**fields, hidden_states=body and body.hidden_states,
-                                attentions=body and body.attentions)
+    known = {name: fields.pop(name) for name in list(fields) if name in CausalLMOutputForPPO.__dataclass_fields__}
+    output = CausalLMOutputForPPO(**known, hidden_states=body and body.hidden_states,
+                                  attentions=body and body.attentions)
+    for name, values in fields.items():  # (a per-token output added since: a key and an attribute, as the others)
+        output[name] = values
+    return output
 
 
 def _spread(values: Tensor, wanted: Tensor | None, shape: torch.Size) -> Tensor:

@@ -25,6 +25,7 @@ from ..errors import CheckpointNotFound, InvalidCheckpoint, TooLarge, WeightsUna
 from ..models import load_model, varlen_attention
 from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
+from ..outputs import asked
 from ..prefixes import MIN_SHARED_PREFIX, Forest, forest, row_plan
 from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
 from ..sharding import held_shard
@@ -285,13 +286,9 @@ class LogProbWorker:
         outputs = dict(log_probs=np.empty(offsets[-1], dtype=np.float32))  # by the name of the forward's output
         if request.return_entropy:
             outputs["entropy"] = np.empty(offsets[-1], dtype=np.float32)
-        if request.top_k:
-            k = request.top_k
-            outputs.update(top_log_probs=np.empty((offsets[-1], k), dtype=np.float32),
-                           top_ids=np.empty((offsets[-1], k), dtype=np.int32),
-                           tail_log_prob=np.empty(offsets[-1], dtype=np.float32))
-        if request.token_ids is not None:
-            outputs["candidate_log_probs"] = np.empty((offsets[-1], request.token_ids.shape[1]), dtype=np.float32)
+        candidates = 0 if request.token_ids is None else request.token_ids.shape[1]
+        for output, width in asked(request.top_k, candidates).items():  # (the per-token outputs' table)
+            outputs[output.name] = output.empty(int(offsets[-1]), width)
         computed = lengths.astype(np.float64)  # (shared rows say less)
         limit = self.max_tokens_per_batch
         queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
@@ -323,7 +320,7 @@ class LogProbWorker:
                     computed[list(shares)] = list(shares.values())
             results = dict(outputs)
             return ScoreResult(results.pop("log_probs"), results.pop("entropy", None), offsets, version, computed,
-                               **results)
+                               results)
 
         return collect
 
