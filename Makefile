@@ -26,23 +26,23 @@ install: $(VENV)/.installed
 lint: install
 	$(VENV)/bin/ruff check .
 
-# The files that start Ray clusters run in two pytest processes side by side (each file starts a Ray of its own,
-# on loopback), then those that need the machine's only Ray (connect_pool's "auto", `ray stop`, HAProxy's fixed
-# ports) one after another; a third process runs the rest beside them (its report, and the second lane's, printed
-# after). The Ray tests wait on process starts much of the time, which the others fill.
+# The files that need the machine's only Ray (connect_pool's "auto", `ray stop`, HAProxy's fixed ports) run first,
+# one after another, beside the tests that start no Ray (a process of their own, their report printed at the end);
+# then the files that start Ray clusters, in two pytest processes side by side (each file starts a Ray of its own,
+# on loopback). The Ray tests wait on process starts much of the time, which the others fill.
 RAY_A := tests/service/test_gateway.py tests/workers/pool/test_tensor_parallel_pool.py tests/service/test_replicas.py \
-  tests/examples tests/service/test_serve_errors.py
+  tests/examples
 RAY_B := tests/workers/pool/test_weight_owner.py tests/client tests/deploy/test_multinode.py \
   tests/workers/pool/test_worker_pool.py tests/integrations tests/service/test_weights.py \
-  tests/workers/pool/test_weights_cuda.py tests/workers/pool/test_tensor_parallel_cuda.py
+  tests/service/test_serve_errors.py tests/workers/pool/test_weights_cuda.py tests/workers/pool/test_tensor_parallel_cuda.py
 RAY_ALONE := tests/service/test_serve_command.py tests/service/test_readme.py tests/service/test_edge.py \
   tests/deploy/test_one_machine_cluster.py
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 test: lint
 	@$(PYTEST) -q tests $(addprefix --ignore=,$(RAY_A) $(RAY_B) $(RAY_ALONE)) > .test-rest.log 2>&1 & rest=$$!; \
+	$(PYTEST) $(RAY_ALONE); alone=$$?; \
 	$(PYTEST) -q $(RAY_B) > .test-ray-b.log 2>&1 & b=$$!; \
-	$(PYTEST) $(RAY_A); a=$$?; wait $$b; b=$$?; \
-	$(PYTEST) $(RAY_ALONE); alone=$$?; wait $$rest; rest=$$?; \
+	$(PYTEST) $(RAY_A); a=$$?; wait $$b; b=$$?; wait $$rest; rest=$$?; \
 	echo "== the second Ray lane ($(RAY_B)) =="; cat .test-ray-b.log; \
 	echo "== the other tests =="; cat .test-rest.log; \
 	exit $$(( a || b || alone || rest ))
