@@ -52,7 +52,7 @@ def broadcast_raw(trainer, nbytes: int, reps: int) -> float:
     """Runs in the trainer's process: the same bytes as one flat buffer over the sender's group."""
     device = trainer.sender.device
     buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    return median_seconds(lambda: (trainer.sender.group.broadcast(buffer, 0).wait(), sync()), reps)
+    return median_seconds(lambda: (trainer.sender.transport.group.broadcast(buffer, 0).wait(), sync()), reps)
 
 
 def disk_and_pcie(worker, path: str, reps: int) -> dict:
@@ -155,7 +155,7 @@ def stream(results: dict, rate, trainer, pool: WorkerPool, worker, nbytes: int, 
 
     gpus = torch.cuda.device_count()
     if results["sender"] != "ipc":
-        group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.spec.name))
+        group = ray.get(trainer.__ray_call__.remote(lambda t: t.sender.transport.spec.name))
         receiving = worker.__ray_call__.remote(receive_raw, group, nbytes, args.reps)
         results["raw"]["broadcast"] = rate(ray.get(trainer.__ray_call__.remote(broadcast_raw, nbytes, args.reps)))
         ray.get(receiving)
