@@ -6,14 +6,17 @@ made: a process holding only a pool's handles (a gateway's ingress replica) then
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import ray
 
 from ..request import ScoreRequest, ScoreResult
+from .calls import WEIGHT_CALLS
 from .owner import HEALTH, SCORING, SCORING_CALLS, STAGING
 from .scheduler import Scheduler
 
@@ -29,9 +32,10 @@ class PoolWorker:
     pool's placement group (so a pool attached by name, from a job whose namespace cannot see the group's name, can
     still free it) and, when Ray restarts it, takes its weights from where its pool's owner says they are now.
 
-    Its remote methods are listed here, each handing the call to the part that answers it: the RankGroup where
-    there is one, else the LogProbWorker (scoring) or its WeightsHolder (updates). The staging calls return the
-    name of a staged tensor that is not finite when asked to check (see WeightsHolder).
+    Its remote methods hand each call to the part that answers it: the RankGroup where there is one, else the
+    LogProbWorker (scoring) or its WeightsHolder (updates). The weight calls are made below, one for each of
+    calls.py's WeightCalls (its names and signatures, stated once). The staging calls return the name of a staged
+    tensor that is not finite when asked to check (see WeightsHolder).
 
     Scoring calls from every caller wait in this worker's line (`scheduler`), which forms each step from what is
     waiting; a commit runs between two steps. A tensor-parallel worker's other ranks take rank 0's steps as they
@@ -94,43 +98,10 @@ class PoolWorker:
     def placement_group(self):
         return self.placement
 
-    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None, lay_out: bool = True):
-        return self._weights.layout_for(shapes, full, group, lay_out)
-
-    def stage_checkpoint(self, path: str, version: int, check: bool = False) -> str | None:
-        return self._weights.stage_checkpoint(path, version, check)
-
-    def stage_stream(self, group: str, layout, version: int, bucket_bytes: int, check: bool = False) -> str | None:
-        return self._weights.stage_stream(group, layout, version, bucket_bytes, check)
-
-    def stage_shared(self, key: str, shared: list | None, layout, version: int, check: bool = False) -> str | None:
-        return self._weights.stage_shared(key, shared, layout, version, check)
-
-    def release_shared(self, key: str | None = None) -> None:
-        self._weights.release_shared(key)
-
     def commit(self, version: int) -> int:
         if self.scheduler is None:
             return self._weights.commit(version)
         return self.scheduler.between(lambda: self._weights.commit(version))
-
-    def abort(self, version: int) -> None:
-        self._weights.abort(version)
-
-    def join_group(self, spec, rank: int) -> None:
-        self._weights.join_group(spec, rank)
-
-    def leave_group(self, name: str) -> None:
-        self._weights.leave_group(name)
-
-    def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float):
-        return self._weights.open_sender(name, world_size, backend, timeout_s)
-
-    def send_weights(self, spec, layout=None) -> None:
-        self._weights.send_weights(spec, layout)
-
-    def remove_local_copy(self) -> None:
-        self._weights.remove_local_copy()
 
     def join_ranks(self, spec, rank: int) -> int:
         return self.ranks.join_ranks(spec, rank)
@@ -160,6 +131,21 @@ class PoolWorker:
             threading.Thread(target=tell, daemon=True).start()
         else:
             tell()
+
+
+def _handed_over(name: str, call: Callable) -> Callable:
+    """PoolWorker's remote method for a weight call (calls.py): its name and signature, answered by the worker's
+    WeightsHolder or, for a tensor-parallel worker, its RankGroup (on every rank)."""
+
+    @functools.wraps(call)
+    def method(self, *args, **kwargs):
+        return getattr(self._weights, name)(*args, **kwargs)
+
+    return method
+
+
+for _name, _call in WEIGHT_CALLS.items():
+    setattr(PoolWorker, _name, _handed_over(_name, _call))
 
 
 def actor_class(cls: type = PoolWorker):

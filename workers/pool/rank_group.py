@@ -40,6 +40,7 @@ from ..models.tensor_parallel import connect
 from ..request import ScoreRequest, ScoreResult
 from ..weights.keep import rank_copy
 from ..weights.transfer import GroupSpec, open_group, serve_store
+from .calls import in_staging
 from .log_prob_worker import LogProbWorker
 from .owner import actors, staging
 
@@ -48,9 +49,6 @@ log = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call after failures, the group formed again between them
 _OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each time smaller ones)
-# what the other ranks run in their staging thread, as the leader does (its pool's owner calls it there)
-_STAGING_CALLS = frozenset({"stage_checkpoint", "stage_stream", "stage_shared", "join_group", "open_sender",
-                            "send_weights"})
 _SCORER_CALLS = frozenset({"score_request", "devices"})  # a rank's own part of these is its LogProbWorker's, of the
 # others its WeightsHolder's
 
@@ -123,7 +121,8 @@ class RankGroup:
         one's; the results in rank order. The others get `wait_s` more to finish (None: as long as they live)."""
         if self.follower_names and not self.followers:
             self.followers = actors(self.follower_names)
-        call = (lambda f: staging(f, method)) if method in _STAGING_CALLS else (lambda f: getattr(f, method))
+        # (the other ranks run it in their staging thread where the leader does: calls.py)
+        call = (lambda f: staging(f, method)) if in_staging(method) else (lambda f: getattr(f, method))
         refs = [call(f).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
         errors = []
         try:
@@ -237,8 +236,9 @@ class RankGroup:
     def abort(self, version: int) -> None:
         self._everywhere("abort", version)
 
-    def layout_for(self, *args):
-        return self._everywhere("layout_for", *args)  # (each rank checks that it is in the sender's group)
+    def layout_for(self, shapes: dict, full: bool = False, group: str | None = None, lay_out: bool = True):
+        # (each rank checks that it is in the sender's group)
+        return self._everywhere("layout_for", shapes, full, group, lay_out)
 
     def join_group(self, spec, rank: int) -> None:
         """A trainer's group (one spec): rank r of this worker joins it as `rank` + r. A restore from a peer (a
@@ -251,17 +251,18 @@ class RankGroup:
     def leave_group(self, name: str) -> None:
         self._everywhere("leave_group", name)
 
-    def stage_stream(self, *args) -> str | None:
-        return _first(self._on_ranks("stage_stream", lambda r: args))
+    def stage_stream(self, group: str, layout, version: int, bucket_bytes: int, check: bool = False) -> str | None:
+        return _first(self._on_ranks("stage_stream", lambda r: (group, layout, version, bucket_bytes, check)))
 
-    def open_sender(self, *args) -> list:
+    def open_sender(self, name: str, world_size: int, backend: str, timeout_s: float) -> list:
         """A group of two per rank, in which it sends its part to the same rank of a restarted worker."""
-        return self._on_ranks("open_sender", lambda r: args)
+        return self._on_ranks("open_sender", lambda r: (name, world_size, backend, timeout_s))
 
-    def send_weights(self, specs: list, layout=None) -> None:
-        self._on_ranks("send_weights", lambda r: (specs[r], layout))
+    def send_weights(self, spec: list, layout=None) -> None:
+        """`spec`: open_sender's answer, one group per rank (rank r sends its part in spec[r])."""
+        self._on_ranks("send_weights", lambda r: (spec[r], layout))
 
-    def stage_shared(self, *args) -> str | None:
+    def stage_shared(self, key: str, shared: list | None, layout, version: int, check: bool = False) -> str | None:
         # (its ranks hold one GPU each; a sender on one of them is refused before this)
         raise UpdateFailed("tensor-parallel workers take weights over NCCL or gloo, not CUDA IPC")
 
