@@ -61,8 +61,13 @@ def _output_field(output: Output) -> tuple:
     return (list[list[value]] if output.wide else list[value]) | None, Field(None, description=output.description)
 
 
-SequenceResult = create_model("SequenceResult", __base__=_SequenceResult,
-                              **{name: _output_field(output) for name, output in OUTPUTS.items()})
+def sequence_result() -> type[BaseModel]:
+    """A result's model, made from the per-token outputs' table."""
+    return create_model("SequenceResult", __base__=_SequenceResult,
+                        **{name: _output_field(output) for name, output in OUTPUTS.items()})
+
+
+SequenceResult = sequence_result()
 
 
 class Usage(BaseModel):
