@@ -119,7 +119,7 @@ def _results(responses: list[dict]) -> list[SequenceLogProbs]:
             extras = {name: np.split(values, cuts) for name, values in arrays.items()}
             if counts is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
                 for name in extras:
-                    if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+                    if OUTPUTS[name].per_candidate:
                         extras[name] = [c[:, :k] for c, k in zip(extras[name], counts, strict=True)]
             stats = resp.get("mismatch")
             out.extend(SequenceLogProbs(a, b, resp["weights_version"], extras={k: v[i] for k, v in extras.items()},

@@ -31,6 +31,11 @@ class Output:
     description: str = ""
     torch: Callable | None = None
 
+    @property
+    def per_candidate(self) -> bool:
+        """A column per candidate id: each sequence's values are cut to its own list's length."""
+        return self.asked_by == "token_ids" and self.wide
+
     def width(self, top_k: int, candidates: int) -> int | None:
         """Its values' width for a request asking top_k and candidate lists `candidates` wide: None when it is not
         asked for, 0 for one value an entry."""

@@ -453,7 +453,7 @@ class ScoreResult(_Outputs):
         extras = {name: np.split(value, cuts) for name, value in self.extras.items()}
         if candidates is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
             for name in extras:
-                if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+                if OUTPUTS[name].per_candidate:
                     extras[name] = [c[:, :k] for c, k in zip(extras[name], candidates, strict=True)]
         return [SequenceScores(a, b, self.weights_version, extras={name: parts[i] for name, parts in extras.items()})
                 for i, (a, b) in enumerate(zip(lp, ent, strict=True))]

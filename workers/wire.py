@@ -45,7 +45,7 @@ def encode_json(header: dict, log_probs: np.ndarray, entropy: np.ndarray | None,
             result[name] = part
     if candidates is not None:  # (the wide outputs of token_ids, each sequence's cut to its own list)
         for name in extras or {}:
-            if OUTPUTS[name].asked_by == "token_ids" and OUTPUTS[name].wide:
+            if OUTPUTS[name].per_candidate:
                 for result, count in zip(results, candidates, strict=True):
                     result[name] = np.ascontiguousarray(result[name][:, :count])
     return orjson.dumps({**header, "results": results}, option=orjson.OPT_SERIALIZE_NUMPY)
