@@ -150,7 +150,9 @@ def load(url: str, bodies: list[bytes], procs: int, connections: int, rate: floa
         w.start()
     for _ in workers:  # the clock starts once every client process is up with its connections open
         if out.get(timeout=120) != "ready":
-            raise RuntimeError("a client process failed before it was ready")
+            for w in workers:  # (the others wait for `go`: end them, or this process never exits)
+                w.terminate()
+            raise RuntimeError(f"a client process could not open its {connections // procs} connections")
     start = time.perf_counter()
     go.set()
     parts = [out.get(timeout=TIMEOUT_S * len(bodies)) for _ in workers]
@@ -280,6 +282,9 @@ def run_mode(args) -> list[dict]:
         note(f"deployed {apps[replicas]}")
     pool = WorkerPool.connect("bench:policy")
     step_tokens = pool.health()[0]["step_tokens"]  # a worker's step: its line's budget
+    per_client = settings.max_connections_per_client * 3 // 4  # every client is 127.0.0.1: HAProxy refuses more
+    if max(args.connections) > per_client:
+        raise SystemExit(f"--connections {max(args.connections)}: over {per_client}, 3/4 of max_connections_per_client")
     rows = []
     sizes = {size: requests_of(size, n, pool.vocab_size, seed=size) for size, n in zip(args.sizes, args.requests,
                                                                                          strict=True)}
@@ -307,8 +312,8 @@ def run_mode(args) -> list[dict]:
         calls0, cpu0 = worker_calls(pool), cpu_seconds(app)
         peak = load(f"{url}/{app}", bodies[size], args.client_procs, connections)
         calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
-        half = load(f"{url}/{app}", bodies[size][: len(reqs) // 2], args.client_procs, 4 * connections,
-                    rate=peak["requests_per_s"] / 2)
+        half = load(f"{url}/{app}", bodies[size][: len(reqs) // 2], args.client_procs,
+                    min(4 * connections, per_client), rate=peak["requests_per_s"] / 2)
         per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
         beside = {}
         if args.trainer:  # the same closed loop with the trainer's calls beside it
