@@ -183,6 +183,37 @@ class Line:
         item.future.set_result((item.parts.merge(item.request.return_entropy, copy=False), item.steps_waited or 0))
 
 
+class _Answer:
+    """A caller's future on its event loop that the scheduler's thread completes (lighter than a
+    concurrent.futures.Future wrapped for the loop: no lock and no condition made a call)."""
+
+    __slots__ = ("loop", "future", "_done")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.future, self._done = loop, loop.create_future(), False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value) -> None:
+        self._settle(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._settle(None, error)
+
+    def _settle(self, value, error: BaseException | None) -> None:
+        self._done = True
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, value, error)
+        except RuntimeError:  # (its loop is closed: the actor is going, and nobody waits)
+            pass
+
+
+def _settle(future: asyncio.Future, value, error: BaseException | None) -> None:
+    if not future.done():  # (cancelled meanwhile: nobody waits)
+        future.set_exception(error) if error is not None else future.set_result(value)
+
+
 class Scheduler:
     """A worker's one line and the thread that runs its steps: `submit(request)` (from any number of caller
     threads) blocks until the request is answered and returns (its ScoreResult, steps waited), and `answer(request)`
@@ -215,13 +246,15 @@ class Scheduler:
         return self._queue(request).result()
 
     async def answer(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
-        # (shielded: a caller that stops waiting leaves its request to be answered in turn, never a future the line
-        # finds cancelled)
-        return await asyncio.shield(asyncio.wrap_future(self._queue(request)))
+        # (its own future, which the line completes: a caller that stops waiting leaves its request to be answered
+        # in turn, never a future the line finds cancelled)
+        answer = _Answer(asyncio.get_running_loop())
+        return await asyncio.shield(self._queue(request, answer).future)
 
-    def _queue(self, request: ScoreRequest) -> Future:
-        """The request in the line (or Overloaded at once); the future its answer comes to."""
-        future: Future = Future()
+    def _queue(self, request: ScoreRequest, future=None):
+        """The request in the line (or Overloaded at once); the future its answer comes to (a new one, or
+        `future`)."""
+        future = Future() if future is None else future
         tokens = int(request.offsets[-1])
         with self._changed:
             fresh = self.line.fresh_tokens

@@ -5,6 +5,7 @@ steps and a request cut across it; a failure reaching only the request it belong
 one before is collected (as on CUDA), with a real worker too."""
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -53,6 +54,14 @@ def sequences(n, length, seed):
     return [rng.integers(0, POISON, size=length).tolist() for _ in range(n)]
 
 
+def wait_for_line(scheduler: Scheduler, n: int) -> None:
+    """Returns once n requests wait in the scheduler's line (fails after 30 s)."""
+    deadline = time.monotonic() + 30
+    while len(scheduler.line) < n:
+        assert time.monotonic() < deadline, f"{len(scheduler.line)} requests in the line, not {n}"
+        threading.Event().wait(0.01)
+
+
 def check(result: ScoreResult, seqs, starts=1) -> None:
     assert len(result) == len(seqs)
     for got, seq in zip(result.sequences(), seqs, strict=True):
@@ -65,10 +74,10 @@ def test_many_callers_are_merged_into_steps_and_each_gets_its_own_answer_in_orde
     scheduler = Scheduler(scorer, step_tokens=8192)
     asks = [sequences(1 + i % 5, 10 + i, seed=i) for i in range(48)]  # 5,268 tokens
     with ThreadPoolExecutor(48) as callers:
-        futures = [callers.submit(scheduler.submit, request(seqs)) for seqs in asks]
-        assert scorer.entered.acquire(timeout=30)  # the first step runs, alone; the others wait in the line
-        while len(scheduler.line) < 47:
-            threading.Event().wait(0.01)
+        futures = [callers.submit(scheduler.submit, request(asks[0]))]
+        assert scorer.entered.acquire(timeout=30)  # the first caller's step runs, alone, held by the gate
+        futures += [callers.submit(scheduler.submit, request(seqs)) for seqs in asks[1:]]  # the others wait in line
+        wait_for_line(scheduler, 47)
         scorer.gate.set()
         answers = [f.result(timeout=30) for f in futures]
     for (result, waited), seqs in zip(answers, asks, strict=True):
@@ -117,8 +126,7 @@ def test_a_huge_request_does_not_hold_back_a_small_one_by_more_than_a_step():
         big = callers.submit(scheduler.submit, request(huge))
         assert scorer.entered.acquire(timeout=30)  # the huge one's first step is running
         little = callers.submit(scheduler.submit, request(small))
-        while len(scheduler.line) < 2:
-            threading.Event().wait(0.01)
+        wait_for_line(scheduler, 2)
         scorer.gate.set()
         result, waited = little.result(timeout=30)
         assert not big.done() or big.result()[1] == 0  # (the small one's answer came within the huge one's steps)
@@ -157,14 +165,12 @@ def test_a_full_line_refuses_at_once_and_the_worker_goes_on():
         first = callers.submit(scheduler.submit, request(sequences(1, 50, seed=0)))
         assert scorer.entered.acquire(timeout=30)
         waiting = [callers.submit(scheduler.submit, request(sequences(1, 50, seed=s))) for s in (1, 2)]
-        while len(scheduler.line) < 2:
-            threading.Event().wait(0.01)
+        wait_for_line(scheduler, 2)
         with pytest.raises(Overloaded) as refused:  # too many tokens waiting: 100 + 450 > 500
             scheduler.submit(request(sequences(1, 450, seed=3)))
         assert refused.value.status == 429 and refused.value.retry_after > 0
         third = callers.submit(scheduler.submit, request(sequences(1, 50, seed=4)))
-        while len(scheduler.line) < 3:
-            threading.Event().wait(0.01)
+        wait_for_line(scheduler, 3)
         with pytest.raises(Overloaded):  # too many requests waiting
             scheduler.submit(request(sequences(1, 5, seed=5)))
         scorer.gate.set()
@@ -223,8 +229,7 @@ def test_a_failing_sequence_fails_only_its_own_request():
         first = callers.submit(scheduler.submit, request(sequences(1, 20, seed=0)))
         assert scorer.entered.acquire(timeout=30)
         answers = [callers.submit(scheduler.submit, request(s)) for s in (good, bad)]
-        while len(scheduler.line) < 2:
-            threading.Event().wait(0.01)
+        wait_for_line(scheduler, 2)
         scorer.gate.set()
         first.result(timeout=30)
         check(answers[0].result(timeout=30)[0], good)
@@ -300,8 +305,7 @@ def test_with_start_the_next_step_is_launched_before_the_one_in_flight_is_collec
         answers = [callers.submit(scheduler.submit, request(first))]
         assert scorer.entered.acquire(timeout=30)  # step 0 is being launched
         answers += [callers.submit(scheduler.submit, request(s)) for s in later]
-        while len(scheduler.line) < 3:
-            threading.Event().wait(0.01)
+        wait_for_line(scheduler, 3)
         scorer.launch_gate.set()
         assert scorer.entered.acquire(timeout=30)  # step 1, the three later requests, launched with step 0 in flight
         committed = callers.submit(scheduler.between, lambda: scorer.log.append("commit"))
