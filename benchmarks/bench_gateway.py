@@ -94,27 +94,30 @@ class Connection:
 
 def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go) -> None:
     """One client process: opens its connections, says so on `out` and waits for `go`; then sends `bodies` with
-    `connections` at once (closed loop), or at `rate` requests/s (open loop, opening connections as needed); puts
-    (latencies, failures, answer bytes) on `out`."""
+    `connections` at once (closed loop), or at `rate` requests/s (open loop over those connections, a request that
+    finds none free waiting for one, its wait counted in its latency); puts (latencies, failures, answer bytes) on
+    `out`."""
     address, _, prefix = url.removeprefix("http://").partition("/")
     host, port = address.split(":")
     path = f"/{prefix}/logprobs".replace("//", "/").encode()
 
     async def run():
         latencies, failures, size = [], 0, 0
-        idle = [await Connection.open(host, int(port)) for _ in range(connections)]
+        idle = asyncio.Queue()  # (never more than `connections`: HAProxy refuses a client address holding too many)
+        for _ in range(connections):
+            idle.put_nowait(await Connection.open(host, int(port)))
         out.put("ready")
         await asyncio.to_thread(go.wait)
 
         async def one(body, connection=None):
             nonlocal failures, size
-            connection = connection or (idle.pop() if idle else await Connection.open(host, int(port)))
             start = time.perf_counter()
+            connection = connection or await idle.get()
             status, received = await connection.post(path, body)
             latencies.append(time.perf_counter() - start)
             failures += status != 200
             size += received
-            idle.append(connection)
+            idle.put_nowait(connection)
 
         if rate:
             start, tasks = time.perf_counter(), []
@@ -129,9 +132,9 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go
                 while queue:
                     await one(queue.pop(), connection)
 
-            await asyncio.gather(*(loop(idle.pop()) for _ in range(connections)))
-        for c in idle:
-            c.writer.close()
+            await asyncio.gather(*(loop(idle.get_nowait()) for _ in range(connections)))
+        while not idle.empty():
+            idle.get_nowait().writer.close()
         return latencies, failures, size
 
     try:
@@ -313,7 +316,7 @@ def run_mode(args) -> list[dict]:
         peak = load(f"{url}/{app}", bodies[size], args.client_procs, connections)
         calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
         half = load(f"{url}/{app}", bodies[size][: len(reqs) // 2], args.client_procs,
-                    min(4 * connections, per_client), rate=peak["requests_per_s"] / 2)
+                    min(4 * connections, per_client // 2), rate=peak["requests_per_s"] / 2)
         per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
         beside = {}
         if args.trainer:  # the same closed loop with the trainer's calls beside it
