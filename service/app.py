@@ -18,12 +18,12 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .config import Settings
-from .edge import refusal
+from .edge import refusal, route_of
 from .errors import to_response
 from .handover import Handover
 from .keeper import PoolKeeper
 from .loopback import keep_replica_grpc_on_loopback
-from .routes import gateway_of, router
+from .routes import gateway_of, logprobs_direct, router
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,12 @@ class _Edge:
             await send(message)
 
         refused = refusal(gw.settings, scope)
-        app = self.app if refused is None else to_response(HTTPException(refused[0], refused[1], refused[2]))
+        if refused is not None:
+            app = to_response(HTTPException(refused[0], refused[1], refused[2]))
+        elif scope["method"] == "POST" and route_of(scope) == "/logprobs":
+            app = await logprobs_direct(gw, Request(scope, receive))
+        else:
+            app = self.app
         await app(scope, receive, counted)
 
 

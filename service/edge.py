@@ -104,11 +104,15 @@ def refusal(settings, scope: dict) -> tuple[int, str, dict[str, str]] | None:
             return 400, (f"Host {host[:100]!r} is not this service's: without an API key, a service on loopback "
                          "answers Host names of loopback (or its allowed_hosts)"), {}
         return None
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    route = path[len(root):] if root and path.startswith(root) else path
-    if route in OPEN_ROUTES or key_matches(settings.api_key.get_secret_value(), authorization):
+    if route_of(scope) in OPEN_ROUTES or key_matches(settings.api_key.get_secret_value(), authorization):
         return None
     return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"}
+
+
+def route_of(scope: dict) -> str:
+    """The request's path below the application's prefix (Serve's route_prefix, in `root_path`)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def key_matches(key: str, authorization: str | None) -> bool:
