@@ -9,9 +9,10 @@ workers), so that no redeploy is timed; one at a time is loaded by several
 client processes, closed loop, at each request size; then at half that peak rate, open loop, for latency. Per run:
 requests/s, tokens/s, latency p50/p99, the mean tokens a worker's step carried over what a full step would (fill),
 the HTTP requests a call reaching a worker's line carried (joined: the replicas' hand-over joins small requests
-that arrive together), and the CPU time the ingress replicas and the proxy (Python proxy, or HAProxy) spent per
-request. "Direct" is the pool fed calls of DIRECT_TOKENS tokens (the same requests joined) from the driver,
-DIRECT_IN_FLIGHT at once: what the gateway could at best do with the same workers.
+that arrive together; also at half rate, and the workers' steps a second there), and the CPU time the ingress
+replicas and the proxy (Python proxy, or HAProxy) spent per request. "Direct" is the pool fed calls of
+DIRECT_TOKENS tokens (the same requests joined) from the driver, DIRECT_IN_FLIGHT at once: what the gateway could at
+best do with the same workers.
 
   python benchmarks/bench_gateway.py --replicas 1 2 --requests 400          # CPU, the built-in tiny model
   python benchmarks/bench_gateway.py --workers 4 --replicas 1 2 4 8 --ingress python haproxy --out gateway.json
@@ -317,6 +318,7 @@ def run_mode(args) -> list[dict]:
         calls1, cpu1 = worker_calls(pool), cpu_seconds(app)
         half = load(f"{url}/{app}", bodies[size][: len(reqs) // 2], args.client_procs,
                     min(4 * connections, per_client // 2), rate=peak["requests_per_s"] / 2)
+        calls2 = worker_calls(pool)
         per_call = (calls1[1] - calls0[1]) / max(1, calls1[0] - calls0[0])
         beside = {}
         if args.trainer:  # the same closed loop with the trainer's calls beside it
@@ -337,6 +339,8 @@ def run_mode(args) -> list[dict]:
             direct_tokens_per_s=base[size], over_direct=tokens / peak["seconds"] / base[size],
             p50_ms=peak["p50_ms"], p99_ms=peak["p99_ms"], half_rate_p50_ms=half["p50_ms"],
             half_rate_p99_ms=half["p99_ms"], failures=peak["failures"] + half["failures"],
+            half_rate_requests_per_line_request=len(reqs) // 2 / max(1, calls2[2] - calls1[2]),
+            half_rate_steps_per_s=(calls2[0] - calls1[0]) / half["seconds"],
             tokens_per_worker_call=per_call, fill=per_call / step_tokens,
             requests_per_line_request=len(reqs) / max(1, calls1[2] - calls0[2]),
             replica_cpu_ms=1000 * (cpu1["replicas"] - cpu0["replicas"]) / len(reqs),
@@ -440,12 +444,14 @@ def main() -> None:
     print(f"non-default options: {options or 'none'}; {args.client_procs} client processes; requests a run: "
           f"{dict(zip(args.sizes, args.requests, strict=True))}")
     print(f"{'ingress':8} {'repl':>4} {'tok/req':>7} {'conns':>5} {'req/s':>7} {'tok/s':>9} {'/direct':>7} "
-          f"{'p99 ms':>7} {'p99@half':>8} {'fill':>5} {'joined':>6} {'replica ms':>10} {'proxy ms':>8} {'fail':>4}")
+          f"{'p99 ms':>7} {'p99@half':>8} {'fill':>5} {'joined':>6} {'j@half':>6} {'replica ms':>10} {'proxy ms':>8} "
+          f"{'fail':>4}")
     for r in rows:
         print(f"{r['ingress']:8} {r['replicas']:>4} {r['request_tokens']:>7} {r['connections']:>5} "
               f"{r['requests_per_s']:>7.0f} "
               f"{r['tokens_per_s']:>9.0f} {r['over_direct']:>7.2f} {r['p99_ms']:>7.1f} {r['half_rate_p99_ms']:>8.1f} "
-              f"{r['fill']:>5.2f} {r['requests_per_line_request']:>6.1f} {r['replica_cpu_ms']:>10.2f} "
+              f"{r['fill']:>5.2f} {r['requests_per_line_request']:>6.1f} "
+              f"{r['half_rate_requests_per_line_request']:>6.1f} {r['replica_cpu_ms']:>10.2f} "
               f"{r['proxy_cpu_ms']:>8.2f} {r['failures']:>4}")
     if args.trainer:
         print("with a trainer beside the HTTP load (closed loop), against each alone:")
