@@ -126,8 +126,8 @@ def score(args: argparse.Namespace) -> None:
                 batch = rows[lo : lo + args.batch_sequences]
                 try:
                     results = client.score([r["input_ids"] for r in batch], [r["score_from"] for r in batch],
-                                           args.temperature, model=info.name, return_entropy=not args.no_entropy,
-                                           top_k=args.top_k)
+                                           temperature=args.temperature, model=info.name,
+                                           return_entropy=not args.no_entropy, top_k=args.top_k)
                 except LogProbError as e:
                     lines = f"{batch[0]['line']}-{batch[-1]['line']}"
                     raise SystemExit(f"\n{args.input}:{lines}: the service refused these lines: {e}") from None

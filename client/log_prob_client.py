@@ -23,7 +23,7 @@ import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import httpx
 import numpy as np
@@ -31,7 +31,7 @@ import numpy as np
 from ppo_logprobs.workers.errors import WeightsChanged
 from ppo_logprobs.workers.outputs import OUTPUTS
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX as SHARED_PREFIX  # (the server's default)
-from ppo_logprobs.workers.request import Parts, SequenceScores
+from ppo_logprobs.workers.request import Parts, ScoringOptions, SequenceScores
 from ppo_logprobs.workers.wire import BINARY, ModelInfo, decode_binary
 
 RETRY_STATUSES = (429, 503)
@@ -74,8 +74,8 @@ def _per_sequence(value, n: int) -> list:
     return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value] * n
 
 
-def _bodies(input_ids, score_from, temperature, model, limit, *, return_entropy, top_k, token_ids,
-            rollout_log_probs) -> dict[range, dict]:
+def _bodies(input_ids, score_from, model, limit, *, rollout_log_probs=None, temperature=1.0, return_entropy=True,
+            top_k=0, token_ids=None) -> dict[range, dict]:
     """The request bodies of one call, by the run of its sequences each holds."""
     n = len(input_ids)
     starts, temps = _per_sequence(score_from, n), _per_sequence(temperature, n)
@@ -252,12 +252,12 @@ class _Core:
     def _models(self) -> Steps[list[ModelInfo]]:
         return [ModelInfo(**m) for m in (yield from self._call("GET", "/v1/models"))["data"]]
 
-    def _score(self, input_ids, score_from, temperature, model: str | None, **options) -> Steps[list[SequenceLogProbs]]:
+    def _score(self, input_ids, score_from, model: str | None, **options) -> Steps[list[SequenceLogProbs]]:
         """score's work: the server's limit (asked once per model), the parts sent side by side, those answered with
         older weights than another part asked again, the results in order. `options`: _bodies'."""
         if model not in self._limits:
             self._limits[model] = self._limit_from((yield from self._models()), model)
-        bodies = _bodies(input_ids, score_from, temperature, model, self._limits[model], **options)
+        bodies = _bodies(input_ids, score_from, model, self._limits[model], **options)
         parts = Parts(len(input_ids), version=itemgetter("weights_version"))
         ask = list(bodies)
         while ask:
@@ -320,19 +320,17 @@ class LogProbClient(_Core):
     def models(self) -> list[ModelInfo]:
         return self._run(self._models())
 
-    def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
-              temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
-              return_entropy: bool = True, top_k: int = 0,
-              token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-              rollout_log_probs: Sequence[Sequence[float]] | None = None) -> list[SequenceLogProbs]:
+    def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1, *,
+              model: str | None = None, rollout_log_probs: Sequence[Sequence[float]] | None = None,
+              **options: Unpack[ScoringOptions]) -> list[SequenceLogProbs]:
         """One SequenceLogProbs per sequence, in order (split into several requests when needed), all computed with
-        one weights_version: parts answered with older weights than another part are asked again. `top_k`: each
-        entry's k most likely tokens too ([entries, k] arrays, and the tail's log-probability); `token_ids`:
-        candidates (one list for all sequences, or one per sequence) whose log-probs each entry gives;
+        one weights_version: parts answered with older weights than another part are asked again. `options`:
+        temperature, return_entropy, top_k (each entry's k most likely tokens too: [entries, k] arrays, and the
+        tail's log-probability), token_ids (candidates, one list for all sequences or one per sequence, whose
+        log-probs each entry gives), as request.ScoringOptions;
         `rollout_log_probs`: the rollout engine's log-probs of the entries (one list per sequence), and each result's
         `mismatch` says how far they are from ours."""
-        return self._run(self._score(input_ids, score_from, temperature, model, return_entropy=return_entropy,
-                                     top_k=top_k, token_ids=token_ids, rollout_log_probs=rollout_log_probs))
+        return self._run(self._score(input_ids, score_from, model, rollout_log_probs=rollout_log_probs, **options))
 
     def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
         """Loads the checkpoint at `path` (readable by the workers) into `model`; returns its new info. Weights
@@ -387,13 +385,11 @@ class AsyncLogProbClient(_Core):
     async def models(self) -> list[ModelInfo]:
         return await self._run(self._models())
 
-    async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
-                    temperature: float | Sequence[float] = 1.0, *, model: str | None = None,
-                    return_entropy: bool = True, top_k: int = 0,
-                    token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                    rollout_log_probs: Sequence[Sequence[float]] | None = None) -> list[SequenceLogProbs]:
-        return await self._run(self._score(input_ids, score_from, temperature, model, return_entropy=return_entropy,
-                                           top_k=top_k, token_ids=token_ids, rollout_log_probs=rollout_log_probs))
+    async def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1, *,
+                    model: str | None = None, rollout_log_probs: Sequence[Sequence[float]] | None = None,
+                    **options: Unpack[ScoringOptions]) -> list[SequenceLogProbs]:
+        return await self._run(self._score(input_ids, score_from, model, rollout_log_probs=rollout_log_probs,
+                                           **options))
 
     async def reload(self, model: str, path: str, *, allow_non_finite: bool = False) -> ModelInfo:
         return await self._run(self._reload(model, path, allow_non_finite))

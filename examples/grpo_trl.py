@@ -150,7 +150,7 @@ def adapter_against_pool(trainer: GRPOTrainer, pool: WorkerPool, sizes: dict, gr
         via, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, width_c)
         times["adapter"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        direct = pool.compute_log_probs(rows.seqs, rows.starts, 1.0, False)
+        direct = pool.compute_log_probs(rows.seqs, rows.starts, return_entropy=False)
         times["pool"].append(time.perf_counter() - start)
     same = all(np.array_equal(via[b, rows.columns[b]].cpu().numpy(), r.log_probs)
                for b, r in zip(rows.sent, direct, strict=True))

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
         mask = other["attention_mask"].bool()
         seqs = [row[m].tolist() for row, m in zip(other["input_ids"], mask, strict=True)]
         start = time.perf_counter()
-        pool.compute_log_probs(seqs, other["attention_mask"][:, :prompt].sum(1).tolist(), args.temperature, False)
+        pool.compute_log_probs(seqs, other["attention_mask"][:, :prompt].sum(1).tolist(), temperature=args.temperature,
+                               return_entropy=False)
         times["pool"].append(time.perf_counter() - start)
         start = time.perf_counter()
         score_unpadded(Service(pool), data3)  # the adapter without verl's worker group

@@ -37,8 +37,9 @@ class Service:
               entropy: bool, rollout: list[list[float]] | None = None) -> list:
         """One result per sequence (`.log_probs`, `.entropy`, `.weights_version`, `.mismatch`), one call."""
         if self.pool is not None:
-            return self.pool.compute_log_probs(seqs, starts, temperature, entropy, rollout_log_probs=rollout)
-        return self.target.score(seqs, starts, temperature, model=self.model, return_entropy=entropy,
+            return self.pool.compute_log_probs(seqs, starts, temperature=temperature, return_entropy=entropy,
+                                              rollout_log_probs=rollout)
+        return self.target.score(seqs, starts, temperature=temperature, model=self.model, return_entropy=entropy,
                                  rollout_log_probs=rollout)
 
 

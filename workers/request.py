@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypedDict, TypeVar
 
 import numpy as np
 
@@ -86,6 +86,18 @@ def _lengths_and_tokens(input_ids) -> tuple[np.ndarray, np.ndarray]:
                     raise RequestError(f"input_ids[{i}][{k}] = {_value(x)} is outside the vocabulary")
         raise RequestError("input_ids must be a list of lists of token ids")
     return lengths, tokens.astype(np.int64, copy=False)
+
+
+class ScoringOptions(TypedDict, total=False):
+    """What a scoring call may ask beside its sequences and where each is scored from: the keyword arguments of
+    LogProbWorker.score, WorkerPool.compute_log_probs(_async) and both clients' score. ScoreRequest.build holds the
+    defaults and checks every value (the field, the sequence and the value named in its error)."""
+
+    temperature: float | Sequence[float]  # the logits are divided by it: one value, or one per sequence (1.0)
+    return_entropy: bool  # each entry's entropy too (True)
+    top_k: int  # each entry's k most likely tokens too, with the tail's mass (0: none)
+    token_ids: Sequence[int] | Sequence[Sequence[int]] | None  # candidates whose log-probs each entry gives: one
+    # list for every sequence, or one per sequence (None)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def test_both_layouts_give_verls_own_numbers_and_the_pools(pool, hf, groups, siz
     direct = pool.compute_log_probs(
         [row[m].tolist() for row, m in zip(b["input_ids"], b["attention_mask"].bool(), strict=True)],
         b["attention_mask"][:, :P].sum(1).tolist(),
-        temperature.tolist() if isinstance(temperature, torch.Tensor) else temperature, True)
+        temperature=temperature.tolist() if isinstance(temperature, torch.Tensor) else temperature, return_entropy=True)
 
     padded = score_padded(service, DataProto.from_dict(
         tensors=b, meta_info=dict(temperature=temperature, calculate_entropy=True)))

@@ -50,7 +50,7 @@ def complete(worker, tokenizer=None, **fields) -> dict:
     body = CompletionRequest(**fields)
     prompts = prompts_of(body, tokenizer)
     seqs, temperature, k = scoring_inputs(prompts, body, **LIMITS)
-    result = worker.score_request(worker.request(seqs, 1, temperature, False, top_k=k))
+    result = worker.score_request(worker.request(seqs, 1, temperature=temperature, return_entropy=False, top_k=k))
     return answer("policy", prompts, body, result, tokenizer)
 
 

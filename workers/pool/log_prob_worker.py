@@ -16,7 +16,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import Literal, Unpack
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
 from ..outputs import asked
 from ..prefixes import MIN_SHARED_PREFIX, Forest, forest, row_plan
-from ..request import ScoreRequest, ScoreResult, SequenceScores, ragged_index
+from ..request import ScoreRequest, ScoreResult, ScoringOptions, SequenceScores, ragged_index
 from ..sharding import held_shard
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
@@ -228,28 +228,19 @@ class LogProbWorker:
             config["tie_word_embeddings"] = True
         return config
 
-    def score(
-        self,
-        input_ids: Sequence[Sequence[int]],
-        score_from: int | Sequence[int] = 1,
-        temperature: float | Sequence[float] = 1.0,
-        return_entropy: bool = True,
-        *,
-        top_k: int = 0,
-        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-    ) -> list[SequenceScores]:
-        """Scores plain lists (validated here, RequestError naming the sequence); results in the order given.
-        `top_k`: each entry's k most likely tokens too, with the tail's mass; `token_ids`: candidates (one list for
-        every sequence, or one per sequence) whose log-probs each entry gives (SequenceScores)."""
-        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+    def score(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+              **options: Unpack[ScoringOptions]) -> list[SequenceScores]:
+        """Scores plain lists (validated here, RequestError naming the sequence); results in the order given. Entry k
+        of a result is log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence); `options`:
+        temperature, return_entropy, top_k, token_ids (request.ScoringOptions)."""
+        request = self.request(input_ids, score_from, **options)
         return self.score_request(request).sequences(request.candidate_counts())
 
-    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True, *, top_k: int = 0,
-                token_ids=None) -> ScoreRequest:
+    def request(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+                **options: Unpack[ScoringOptions]) -> ScoreRequest:
         """Plain lists as a validated ScoreRequest for this model (RequestError naming the sequence)."""
-        return ScoreRequest.build(input_ids, score_from, temperature, return_entropy,
-                                  vocab_size=self.model.config.vocab_size, max_length=self.max_tokens_per_batch,
-                                  top_k=top_k, token_ids=token_ids)
+        return ScoreRequest.build(input_ids, score_from, **options, vocab_size=self.model.config.vocab_size,
+                                  max_length=self.max_tokens_per_batch)
 
     def score_request(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request (the pool's and the gateway's path)."""
@@ -392,7 +383,7 @@ class LogProbWorker:
         invariant mode they are the bits a worker serving the same weights returns for these sequences, however
         the worker's call was made up (on a GPU; on the CPU only when it scored exactly this batch: docs/trainers.md,
         "Using it from a PPO trainer")."""
-        request = self.request(input_ids, score_from, temperature, return_entropy)
+        request = self.request(input_ids, score_from, temperature=temperature, return_entropy=return_entropy)
         offsets = request.result_offsets()
         log_probs, entropy, where = [], [], []
         for group in self._split(request, np.arange(len(request)), self.max_tokens_per_batch):

@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Unpack
 
 import numpy as np
 import ray
@@ -30,6 +30,7 @@ from ..request import (
     Parts,
     ScoreRequest,
     ScoreResult,
+    ScoringOptions,
     SequenceScores,
     mismatch,
     rollout_values,
@@ -301,11 +302,11 @@ class WorkerPool:
         """The version every worker serves once the last update has landed (asked of the owner)."""
         return ray.get(self.owner.state.remote())["version"]
 
-    def request(self, input_ids, score_from=1, temperature=1.0, return_entropy=True, *, top_k: int = 0,
-                token_ids=None) -> ScoreRequest:
+    def request(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+                **options: Unpack[ScoringOptions]) -> ScoreRequest:
         """Plain lists as a validated ScoreRequest (RequestError naming the sequence, before any work is sent)."""
-        return ScoreRequest.build(input_ids, score_from, temperature, return_entropy, vocab_size=self.vocab_size,
-                                  max_length=self.max_tokens_per_batch, top_k=top_k, token_ids=token_ids)
+        return ScoreRequest.build(input_ids, score_from, **options, vocab_size=self.vocab_size,
+                                  max_length=self.max_tokens_per_batch)
 
     async def score(self, request: ScoreRequest) -> ScoreResult:
         """Scores a validated request from an event loop (the gateway's path: two Ray hops, no task between)."""
@@ -315,21 +316,19 @@ class WorkerPool:
         self,
         input_ids: Sequence[Sequence[int]],
         score_from: int | Sequence[int] = 1,
-        temperature: float | Sequence[float] = 1.0,
-        return_entropy: bool = True,
         *,
-        top_k: int = 0,
-        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         rollout_log_probs: Sequence[Sequence[float]] | None = None,
         ratio_bounds: tuple[float, float] = RATIO_BOUNDS,
+        **options: Unpack[ScoringOptions],
     ) -> list[SequenceScores]:
         """One SequenceScores per sequence, in order, all of one weights_version: entry k of log_probs is
         log p(seq[s + k] | seq[:s + k]) for s = score_from (one int, or one per sequence; the prompt length).
-        `top_k`, `token_ids`: as LogProbWorker.score (the k most likely tokens of each entry with the tail's mass;
-        candidates' log-probs). `rollout_log_probs`: the rollout engine's log-probs of the same entries (one list per
-        sequence); each result's `mismatch` then says how far they are from ours (request.mismatch: mean and max
-        |delta|, the k3 estimate of KL(rollout || ours), the share of ratios outside `ratio_bounds`)."""
-        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+        `options`: temperature, return_entropy, top_k, token_ids (request.ScoringOptions: the k most likely tokens
+        of each entry with the tail's mass; candidates' log-probs). `rollout_log_probs`: the rollout engine's
+        log-probs of the same entries (one list per sequence); each result's `mismatch` then says how far they are
+        from ours (request.mismatch: mean and max |delta|, the k3 estimate of KL(rollout || ours), the share of
+        ratios outside `ratio_bounds`)."""
+        request = self.request(input_ids, score_from, **options)
         rollout = None if rollout_log_probs is None else rollout_values(rollout_log_probs, request)
         result = _run(score_on_pool(self.owner, self.workers, request, self.min_shared_prefix, self._load))
         sequences = result.sequences(request.candidate_counts())
@@ -337,18 +336,10 @@ class WorkerPool:
             return sequences
         return with_mismatch(sequences, mismatch(result.log_probs, rollout, result.offsets, ratio_bounds))
 
-    def compute_log_probs_async(
-        self,
-        input_ids: Sequence[Sequence[int]],
-        score_from: int | Sequence[int] = 1,
-        temperature: float | Sequence[float] = 1.0,
-        return_entropy: bool = True,
-        *,
-        top_k: int = 0,
-        token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-    ) -> ray.ObjectRef:
+    def compute_log_probs_async(self, input_ids: Sequence[Sequence[int]], score_from: int | Sequence[int] = 1,
+                                **options: Unpack[ScoringOptions]) -> ray.ObjectRef:
         """Like compute_log_probs, without waiting: an ObjectRef to the same list (validation still runs now)."""
-        request = self.request(input_ids, score_from, temperature, return_entropy, top_k=top_k, token_ids=token_ids)
+        request = self.request(input_ids, score_from, **options)
         return ray.remote(num_cpus=0)(_score_task).remote(self.owner, self.workers, request, self.min_shared_prefix)
 
     def update_weights(self, weights: str | Mapping[str, torch.Tensor] | ray.ObjectRef, *,

@@ -127,7 +127,7 @@ def check_shared_prefixes():
     whole = LogProbWorker(load_model("tiny", backend="torch"), layout="packed", min_shared_prefix=4)
     part = LogProbWorker(load_model("tiny", backend="torch", process_group=dist.group.WORLD), layout="packed",
                          min_shared_prefix=4)
-    want, got = whole.score(seqs, starts, temps), part.score(seqs, starts, temps)
+    want, got = whole.score(seqs, starts, temperature=temps), part.score(seqs, starts, temperature=temps)
     assert part.stats["computed_tokens"] == whole.stats["computed_tokens"] < part.stats["tokens"]
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a.log_probs, b.log_probs, rtol=0, atol=1e-5)

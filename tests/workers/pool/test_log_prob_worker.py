@@ -22,7 +22,7 @@ def test_results_in_order_and_aligned(model, layout):
     seqs = random_sequences(20, seed=0)
     starts = [1 + i % 3 for i in range(20)]
     temps = [0.5 + 0.1 * i for i in range(20)]
-    results = worker.score(seqs, starts, temps)
+    results = worker.score(seqs, starts, temperature=temps)
     assert len(results) == 20
     for seq, s, t, r in zip(seqs, starts, temps, results, strict=True):
         lp, ent = alone(model, seq, s, t)
@@ -176,7 +176,7 @@ def test_a_partial_update_changes_only_the_parameters_it_names(model):
 def test_bad_requests_name_the_sequence(input_ids, score_from, temperature, message):
     worker = LogProbWorker("tiny", max_tokens_per_batch=256, backend="torch")
     with pytest.raises(ValueError, match=message):
-        worker.score(input_ids, score_from, temperature)
+        worker.score(input_ids, score_from, temperature=temperature)
 
 
 def oracle(model, seq, score_from, temperature=1.0):
@@ -196,7 +196,7 @@ def test_top_k_tail_and_candidates_per_sequence(model, layout):
     temps = [0.7 + 0.1 * i for i in range(7)]
     ids = [[i, 502 - i, 7][: 1 + i % 3] for i in range(7)]
     worker = LogProbWorker(model, max_tokens_per_batch=128, layout=layout)
-    got = worker.score(seqs, starts, temps, top_k=6, token_ids=ids)
+    got = worker.score(seqs, starts, temperature=temps, top_k=6, token_ids=ids)
     for i, r in enumerate(got):
         log_p = oracle(model, seqs[i], starts[i], temps[i])
         order = torch.sort(log_p, dim=-1, descending=True, stable=True).indices[:, :6]
@@ -207,7 +207,7 @@ def test_top_k_tail_and_candidates_per_sequence(model, layout):
         assert r.candidate_log_probs.shape == (len(seqs[i]) - starts[i], len(ids[i]))
         np.testing.assert_allclose(r.candidate_log_probs, log_p[:, ids[i]].numpy(), rtol=0, atol=1e-5)
         assert r.top_ids.dtype == np.int32 and r.top_log_probs.dtype == np.float32
-    plain = worker.score(seqs, starts, temps)
+    plain = worker.score(seqs, starts, temperature=temps)
     assert all(p.top_ids is None and p.candidate_log_probs is None for p in plain)
     for p, r in zip(plain, got, strict=True):
         assert np.array_equal(p.log_probs, r.log_probs)  # (the same pass's log-probs, whatever else was asked)

@@ -41,7 +41,8 @@ def grpo_batch(seed: int) -> tuple[list[list[int]], list[int], list[float]]:
 
 def each_alone(model, seqs, starts, temps, entropy=True):
     alone = LogProbWorker(model, layout="packed", min_shared_prefix=None)
-    return [alone.score([s], [f], [t], return_entropy=entropy)[0] for s, f, t in zip(seqs, starts, temps, strict=True)]
+    return [alone.score([s], [f], temperature=[t], return_entropy=entropy)[0]
+            for s, f, t in zip(seqs, starts, temps, strict=True)]
 
 
 def assert_close(got, expected, atol):
@@ -58,7 +59,7 @@ def assert_close(got, expected, atol):
 def test_a_grpo_batch_gets_what_each_sequence_gets_alone_and_computes_less(model, entropy):
     seqs, starts, temps = grpo_batch(1)
     worker = LogProbWorker(model, layout="packed", min_shared_prefix=4)
-    got = worker.score(seqs, starts, temps, return_entropy=entropy)
+    got = worker.score(seqs, starts, temperature=temps, return_entropy=entropy)
     assert_close(got, each_alone(model, seqs, starts, temps, entropy), TOLERANCE)
     assert worker.stats["computed_tokens"] < worker.stats["tokens"] == sum(map(len, seqs))
     trainer, _ = worker.log_probs_with_grad(seqs, starts, temps)  # a trainer's forward lays them out alike
@@ -68,7 +69,7 @@ def test_a_grpo_batch_gets_what_each_sequence_gets_alone_and_computes_less(model
 def test_nothing_shared_below_the_minimum(model):
     seqs, starts, temps = grpo_batch(2)
     worker = LogProbWorker(model, layout="packed", min_shared_prefix=1000)
-    got = worker.score(seqs, starts, temps)
+    got = worker.score(seqs, starts, temperature=temps)
     assert worker.stats["computed_tokens"] == worker.stats["tokens"]
     assert_close(got, each_alone(model, seqs, starts, temps), TOLERANCE)
 
@@ -77,7 +78,7 @@ def test_a_group_larger_than_a_forward_is_split_into_forwards_that_each_share(mo
     seqs, starts, temps = grpo_batch(3)
     seqs = [seqs[0][:22] + s[22:] for s in seqs]  # one group of all, sharing 22 tokens
     worker = LogProbWorker(model, layout="packed", min_shared_prefix=4, max_tokens_per_batch=48)
-    got = worker.score(seqs, starts, temps)
+    got = worker.score(seqs, starts, temperature=temps)
     assert worker.stats["rows"] > 1 and worker.stats["max_row_tokens"] <= 48
     assert worker.stats["computed_tokens"] < worker.stats["tokens"] - 21 * (worker.stats["rows"] - 1)
     assert_close(got, each_alone(model, seqs, starts, temps), TOLERANCE)
@@ -95,7 +96,7 @@ class OutOfMemoryAbove(LogProbWorker):
 def test_out_of_memory_splits_between_groups_and_then_within_them(model):
     seqs, starts, temps = grpo_batch(4)
     worker = OutOfMemoryAbove(model, layout="packed", min_shared_prefix=4, max_tokens_per_batch=400)
-    got = worker.score(seqs, starts, temps)
+    got = worker.score(seqs, starts, temperature=temps)
     assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 60
     assert worker.stats["computed_tokens"] < worker.stats["tokens"]  # the groups that fit still share
     assert_close(got, each_alone(model, seqs, starts, temps), TOLERANCE)
@@ -108,9 +109,9 @@ def test_on_cuda_shared_prefixes_give_each_sequence_its_bits_in_the_invariant_mo
     gpu = load_model("tiny", device="cuda", dtype=torch.bfloat16, invariant=invariant)
     seqs, starts, temps = grpo_batch(5)
     worker = LogProbWorker(gpu, min_shared_prefix=4)
-    got = worker.score(seqs, starts, temps)
+    got = worker.score(seqs, starts, temperature=temps)
     assert worker.stats["computed_tokens"] < worker.stats["tokens"]
-    expected = [LogProbWorker(gpu, min_shared_prefix=None).score([s], [f], [t])[0]
+    expected = [LogProbWorker(gpu, min_shared_prefix=None).score([s], [f], temperature=[t])[0]
                 for s, f, t in zip(seqs, starts, temps, strict=True)]
     assert_close(got, expected, 0.0 if invariant else 5e-2)  # (fast mode: bf16 GEMMs may split their sums)
 
@@ -121,7 +122,7 @@ def test_a_pool_sends_each_group_to_one_worker_balanced_by_the_tokens_computed()
 
     seqs, starts, temps = grpo_batch(6)
     worker = LogProbWorker("tiny", layout="packed", backend="torch", max_tokens_per_batch=400)
-    request = worker.request(seqs, starts, temps)
+    request = worker.request(seqs, starts, temperature=temps)
     trees = forest(request, np.arange(len(seqs)), 4)
     groups = [set(members.tolist()) for members, _ in trees.roots()]
     assert max(map(len, groups)) > 2
@@ -141,7 +142,7 @@ def test_each_sequence_is_told_its_part_of_the_tokens_computed_through_spans_and
 
     seqs, starts, temps = grpo_batch(7)
     worker = LogProbWorker(model, layout="packed", min_shared_prefix=4)
-    request = worker.request(seqs, starts, temps)
+    request = worker.request(seqs, starts, temperature=temps)
     result = worker.score_request(request)
     assert result.computed_tokens(request.lengths) == worker.stats["computed_tokens"] < request.offsets[-1]
     assert (result.computed <= request.lengths).all() and (result.computed > 0).all()

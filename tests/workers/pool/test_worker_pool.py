@@ -51,7 +51,7 @@ def test_pool_matches_the_model_in_order_within_budget(pool, model):
     seqs = random_sequences(40, seed=10, hi=120)
     starts = [1 + (i * 7) % len(s) for i, s in enumerate(seqs)]
     temps = [0.6 + 0.05 * i for i in range(40)]
-    assert_matches(pool.compute_log_probs(seqs, starts, temps), seqs, model, starts, temps)
+    assert_matches(pool.compute_log_probs(seqs, starts, temperature=temps), seqs, model, starts, temps)
     health = pool.health()
     assert all(h["alive"] and h["rows"] > 0 for h in health)  # both actors got work
     assert all(h["max_row_tokens"] <= 256 for h in health)
@@ -233,8 +233,8 @@ def test_a_pool_computes_a_shared_prompt_once_and_says_so(cluster, model):
     try:
         seqs, starts, temps = grpo_batch(9)
         assert pool.min_shared_prefix == 4
-        assert_matches(pool.compute_log_probs(seqs, starts, temps), seqs, model, starts, temps)
-        request = pool.request(seqs, starts, temps)
+        assert_matches(pool.compute_log_probs(seqs, starts, temperature=temps), seqs, model, starts, temps)
+        request = pool.request(seqs, starts, temperature=temps)
         result = asyncio.run(pool.score(request))
         assert result.computed_tokens(request.lengths) < int(request.lengths.sum())
     finally:
