@@ -255,6 +255,9 @@ class _Core:
     def _score(self, input_ids, score_from, model: str | None, **options) -> Steps[list[SequenceLogProbs]]:
         """score's work: the server's limit (asked once per model), the parts sent side by side, those answered with
         older weights than another part asked again, the results in order. `options`: _bodies'."""
+        if unknown := sorted(options.keys() - ScoringOptions.__optional_keys__ - {"rollout_log_probs"}):
+            raise TypeError(f"score() got an unexpected keyword argument {unknown[0]!r}; its options are model, "
+                            f"rollout_log_probs, {', '.join(sorted(ScoringOptions.__optional_keys__))}")
         if model not in self._limits:
             self._limits[model] = self._limit_from((yield from self._models()), model)
         bodies = _bodies(input_ids, score_from, model, self._limits[model], **options)

@@ -134,6 +134,14 @@ def test_api_key_and_status_endpoints(url, tiny):
         assert 'status="200"' in client.metrics()
 
 
+def test_a_misspelt_option_is_named_before_anything_is_sent():
+    """(nothing listens at port 9: the error comes before any connection is tried)"""
+    with pytest.raises(TypeError, match="'temprature'.*temperature"):
+        LogProbClient("http://127.0.0.1:9").score([[1, 2, 3]], temprature=0.7)
+    with pytest.raises(TypeError, match="'temprature'.*temperature"):
+        asyncio.run(AsyncLogProbClient("http://127.0.0.1:9").score([[1, 2, 3]], temprature=0.7))
+
+
 def test_errors_carry_the_server_message(url):
     with LogProbClient(url) as client:
         with pytest.raises(LogProbError, match=r"HTTP 422: input_ids\[0\]\[1\] = 9999 is outside the vocabulary"):
