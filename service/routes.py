@@ -200,7 +200,7 @@ _open_logprobs = opening(LogProbsRequest)
 
 async def logprobs_direct(gw, request: Request) -> Response:
     """POST /logprobs as the route above answers it, called by the app's edge without FastAPI's routing and
-    dependency machinery: on small requests an ingress replica's CPU is the limit, and that machinery was a fifth of
+    dependency machinery: on small requests an ingress replica's CPU is the limit, and that machinery was an eighth of
     it. The route stays, for the OpenAPI schema."""
     try:
         call = await _open_logprobs(request, gw)
