@@ -243,7 +243,7 @@ class Scheduler:
             return self.line.queued_tokens()
 
     def submit(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
-        return self._queue(request).result()
+        return self._queue(request, Future()).result()
 
     async def answer(self, request: ScoreRequest) -> tuple[ScoreResult, int]:
         # (its own future, which the line completes: a caller that stops waiting leaves its request to be answered
@@ -251,10 +251,8 @@ class Scheduler:
         answer = _Answer(asyncio.get_running_loop())
         return await asyncio.shield(self._queue(request, answer).future)
 
-    def _queue(self, request: ScoreRequest, future=None):
-        """The request in the line (or Overloaded at once); the future its answer comes to (a new one, or
-        `future`)."""
-        future = Future() if future is None else future
+    def _queue(self, request: ScoreRequest, future: Future | _Answer) -> Future | _Answer:
+        """The request in the line (or Overloaded at once), answered through `future`, which it returns."""
         tokens = int(request.offsets[-1])
         with self._changed:
             fresh = self.line.fresh_tokens
