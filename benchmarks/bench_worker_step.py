@@ -1,8 +1,9 @@
 """Where a worker's time goes when its work comes as many small requests (issue 36): one step's wall time against
-its forwards' GPU time, for a step of one long sequence and for the same tokens as many small requests joined the
-way the worker's line joins them; then the line itself (`Scheduler`) fed by many threads at once, in this process;
-then the Ray actor (`WorkerPool.create(model, 1)`) fed by many callers at once, with the actor process's CPU time
-per request, and a py-spy profile of that process (which functions hold the GIL) when py-spy is installed.
+its forwards' GPU time (CUDA events around them), the host's launch of them, and the kernels' own time (profiled),
+for a step of one long sequence and for the same tokens as many small requests joined the way the worker's line
+joins them; then the line itself (`Scheduler`) fed by many threads at once, in this process; then the Ray actor
+(`WorkerPool.create(model, 1)`) fed by many callers at once, with the actor process's CPU time per request, and a
+py-spy profile of that process (which functions hold the GIL) when py-spy is installed.
 
   python benchmarks/bench_worker_step.py                          # CPU, the built-in tiny model (a dry run)
   python benchmarks/bench_worker_step.py --model /tmp/q15 --dtype bfloat16 --out step.json
@@ -47,6 +48,8 @@ def timed_forwards(worker) -> list:
 def steps(worker, tokens: int, repeats: int) -> list[dict]:
     """One step's wall and GPU time: one sequence of `tokens`, and `tokens` as requests of 64, 256 and 1024 tokens
     joined as the worker's line joins them (ScoreRequest.concat of each request's span)."""
+    from bench_model import profile
+
     from ppo_logprobs.workers.request import ScoreRequest
 
     vocab, cuda = worker.model.config.vocab_size, str(worker.device).startswith("cuda")
@@ -55,7 +58,7 @@ def steps(worker, tokens: int, repeats: int) -> list[dict]:
     for size in (tokens, 1024, 256, 64):
         n = max(1, tokens // size)
         requests = [worker.request(sequences(1, size // 2, 3 * size // 2, vocab, seed=i)) for i in range(n)]
-        walls, gpus, joins = [], [], []
+        walls, gpus, joins, launches = [], [], [], []
         for r in range(repeats + 2):  # (the first two: warm-up, whatever compiles for these shapes)
             events.clear()
             if cuda:
@@ -63,7 +66,9 @@ def steps(worker, tokens: int, repeats: int) -> list[dict]:
             t0 = time.perf_counter()
             joined = ScoreRequest.concat([q.span(0, len(q)) for q in requests])
             t1 = time.perf_counter()
-            result = worker.score_request(joined)
+            collect = worker.start(joined)  # (the host's launch of the step's forwards: nothing waits for the device)
+            launched = time.perf_counter()
+            result = collect()
             start = 0
             for q in requests:  # each request's span, as Line.answer hands them out
                 result.span(start, start + len(q)).fit(q)
@@ -72,10 +77,14 @@ def steps(worker, tokens: int, repeats: int) -> list[dict]:
             if r >= 2:
                 walls.append(t2 - t0)
                 joins.append(t1 - t0)
+                launches.append(launched - t1)
                 gpus.append(sum(s.elapsed_time(e) for s, e in events) / 1000 if cuda else float("nan"))
         wall, gpu = float(np.median(walls)), float(np.median(gpus))
+        # the kernels' own time (the events above also count the device waiting for a slow launch)
+        kernels = profile(lambda: worker.score_request(joined), "cuda")["total_ms"] if cuda else float("nan")
         rows.append(dict(part="step", request_tokens=size, requests=n, tokens=int(joined.offsets[-1]),
                          wall_ms=1000 * wall, gpu_ms=1000 * gpu, join_ms=1000 * float(np.median(joins)),
+                         launch_ms=1000 * float(np.median(launches)), kernel_ms=kernels,
                          host_gap_ms=1000 * (wall - gpu), tokens_per_s=joined.offsets[-1] / wall))
         print(json.dumps(rows[-1]), flush=True)
     worker._forward = type(worker)._forward.__get__(worker)
@@ -203,12 +212,14 @@ def main() -> None:
             json.dump(dict(date=time.strftime("%Y-%m-%d"), gpu=torch.cuda.get_device_name() if torch.cuda.is_available()
                            else None, non_default_options=options, rows=rows), f, indent=1)
     print(f"{'part':>6} {'piped':>5} {'req tok':>7} {'reqs':>5} {'per call':>8} {'wall ms':>8} {'gpu ms':>7} "
-          f"{'gap ms':>7} {'req/s':>7} {'tok/step':>8} {'cpu ms/req':>10} {'idle':>5}")
+          f"{'launch ms':>9} {'kernel ms':>9} {'gap ms':>7} {'req/s':>7} {'tok/step':>8} {'cpu ms/req':>10} "
+          f"{'idle':>5}")
     for r in rows:
         get = lambda name: r.get(name, float("nan"))  # noqa: E731
         who = r.get("requests", r.get("threads", r.get("callers")))
         print(f"{r['part']:>6} {str(r.get('pipelined', '')):>5} {r['request_tokens']:>7} {who:>5} "
               f"{r.get('requests_per_call', 1):>8} {get('wall_ms'):>8.2f} {get('gpu_ms'):>7.2f} "
+              f"{get('launch_ms'):>9.2f} {get('kernel_ms'):>9.2f} "
               f"{get('host_gap_ms'):>7.2f} {get('requests_per_s'):>7.0f} {get('tokens_per_step'):>8.0f} "
               f"{get('actor_cpu_ms_per_request'):>10.2f} {get('idle_share'):>5.2f}")
 
