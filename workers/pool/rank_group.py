@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer for a rank counts it lost
 _ATTEMPTS = 3  # runs of one call after failures, the group formed again between them
 _OOM_RUNS = 8  # runs of one call after forwards that ran out of memory (each time smaller ones)
-_SCORER_CALLS = frozenset({"score_request", "devices"})  # a rank's own part of these is its LogProbWorker's, of the
-# others its WeightsHolder's
 
 
 class RankGroup:
@@ -126,7 +124,8 @@ class RankGroup:
         refs = [call(f).remote(*args_of(r)) for r, f in enumerate(self.followers, start=1)]
         errors = []
         try:
-            mine = getattr(self.worker if method in _SCORER_CALLS else self.weights, method)(*args_of(0))
+            # (a rank's own part: its WeightsHolder's where that has the method, else its LogProbWorker's)
+            mine = getattr(self.weights if hasattr(self.weights, method) else self.worker, method)(*args_of(0))
         except Exception as e:
             errors.append(e)
         done = ray.wait(refs, num_returns=len(refs), timeout=wait_s)[0] if refs else []
