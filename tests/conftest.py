@@ -1,7 +1,7 @@
-"""Test set-up: without CUDA, Triton kernels run in the interpreter (must be set before they are imported);
-Ray stays on loopback (it would otherwise advertise the machine's own address), and a test's `ray.init()` starts
-a Ray of its own (it would otherwise join any Ray already running on the machine, or fail on one that died
-there without cleaning up)."""
+"""Test set-up: without CUDA, Triton kernels run in the interpreter (must be set before they are imported) and
+torch.compile is off; Ray stays on loopback (it would otherwise advertise the machine's own address), and a test's
+`ray.init()` starts a Ray of its own (it would otherwise join any Ray already running on the machine, or fail on one
+that died there without cleaning up)."""
 
 import os
 
@@ -10,6 +10,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # HF's flex attention as torch's eager reference, not compiled (the compile took a minute of the suite's CPU;
+    # the masks are the same)
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
