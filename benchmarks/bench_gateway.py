@@ -104,7 +104,7 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go
 
     async def run():
         latencies, failures, size = [], 0, 0
-        idle = asyncio.Queue()  # (never more than `connections`: HAProxy refuses a client address holding too many)
+        idle = asyncio.Queue()  # (only these `connections`: HAProxy refuses a client address holding too many)
         for _ in range(connections):
             idle.put_nowait(await Connection.open(host, int(port)))
         out.put("ready")
@@ -113,12 +113,14 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go
         async def one(body, connection=None):
             nonlocal failures, size
             start = time.perf_counter()
-            connection = connection or await idle.get()
+            taken = connection is None  # (the open loop's: a free one from `idle`, given back after)
+            connection = await idle.get() if taken else connection
             status, received = await connection.post(path, body)
             latencies.append(time.perf_counter() - start)
             failures += status != 200
             size += received
-            idle.put_nowait(connection)
+            if taken:
+                idle.put_nowait(connection)
 
         if rate:
             start, tasks = time.perf_counter(), []
@@ -132,6 +134,7 @@ def client(url: str, bodies: list[bytes], connections: int, rate: float, out, go
             async def loop(connection):
                 while queue:
                     await one(queue.pop(), connection)
+                idle.put_nowait(connection)  # (to be closed below, once)
 
             await asyncio.gather(*(loop(idle.get_nowait()) for _ in range(connections)))
         while not idle.empty():
