@@ -4,6 +4,7 @@ process waited for and stopped."""
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,9 +74,23 @@ def example(name: str):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, below the kernel's range of ports for outgoing connections and above Ray's worker
+    ports (10002-19999): a port the kernel handed out could be given to another process's outgoing connection before
+    the server meant to bind it does (HAProxy once failed to start so, its port taken by one of Ray's connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        low = 32768
+    ports = range(20000, max(low, 20001))
+    for port in random.sample(ports, min(200, len(ports))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
 
 
 @contextlib.contextmanager
