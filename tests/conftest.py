@@ -17,19 +17,21 @@ if not torch.cuda.is_available():
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
+KEPT = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 
 def _descendants() -> set[int]:
     """This pytest process's live descendants (a Ray it started, with its workers; a service it ran), less the
-    helper that multiprocessing starts on first use and keeps for the life of this process (its resource tracker:
-    a file that spawned processes would otherwise wait the whole deadline for it)."""
+    helpers that multiprocessing starts on first use and keeps for the life of this process (its resource tracker,
+    and the server that helpers.ranks forks from: a file that started processes would otherwise wait the whole
+    deadline for them)."""
     import psutil
 
     found = set()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "multiprocessing.resource_tracker" not in " ".join(
-                    child.cmdline()):
+            if child.status() != psutil.STATUS_ZOMBIE and not any(
+                    helper in " ".join(child.cmdline()) for helper in KEPT):
                 found.add(child.pid)
         except psutil.Error:  # (gone meanwhile)
             pass

@@ -22,6 +22,20 @@ from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 TINY_VOCAB = 503  # the built-in "tiny" model
 
 
+def ranks(fn, args, nprocs):
+    """fn(rank, *args) in `nprocs` processes, as torch.multiprocessing.spawn runs it, but forked from one server
+    process that has imported this module (torch, Ray, this package) and transformers' models once for this pytest
+    process (a spawned process imports them again: about 4 s of CPU each). Nothing the server imports touches CUDA,
+    so a rank may use it. Raises if a rank fails."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        [__name__, "torch.distributed", "transformers.modeling_utils"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def random_sequences(n, seed, lo=2, hi=60):
     g = np.random.default_rng(seed)
     return [g.integers(0, TINY_VOCAB, g.integers(lo, hi)).tolist() for _ in range(n)]

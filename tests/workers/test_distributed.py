@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ppo_logprobs.workers.distributed import gather_rows, sum_over
+
+from ..helpers import ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)  # a rank that fails stops waiting instead of hanging the run
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -93,7 +94,7 @@ def check_two_ranks(rank, path):
 def test_two_ranks_sum_to_the_rounded_float64_sum(tmp_path):
     """Two processes: the sum is the float64 sum of both parts rounded once (fp32, bf16, fp16), the same bits on
     both ranks wherever an element sits; gather_rows stacks the parts in rank order; a group of one is identity."""
-    mp.spawn(check_two_ranks, args=(str(tmp_path / "store"),), nprocs=2)
+    ranks(check_two_ranks, (str(tmp_path / "store"),), 2)
 
 
 def test_three_ranks_add_the_parts_in_rank_order_rounded_once():

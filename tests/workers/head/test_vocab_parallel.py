@@ -7,10 +7,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ppo_logprobs.workers import fused_log_probs
-from tests.helpers import free_port
+from tests.helpers import free_port, ranks
 
 from .reference import assert_same_bits, reference_log_probs
 
@@ -115,7 +114,7 @@ def run(rank, port, cases):
 def test_two_ranks_match_one_device_and_the_oracle(backend):
     cases = [(backend, dtype, softcap, ignore_index) for dtype in (torch.float32, torch.bfloat16)
              for softcap, ignore_index in ((None, -100), (30.0, 7))]  # 7: an ignore_index that is a valid row
-    mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
+    ranks(run, (free_port(), cases), WORLD)
 
 
 @pytest.mark.gpu
@@ -124,4 +123,4 @@ def test_two_ranks_on_cuda_match_one_device_and_the_oracle():
     """The Triton kernels compiled for the GPU; both ranks on one GPU (gloo carries CUDA tensors)."""
     cases = [("triton", dtype, softcap, ignore_index, "cuda") for dtype in (torch.float32, torch.bfloat16)
              for softcap, ignore_index in ((None, -100), (30.0, 7))]
-    mp.spawn(run, args=(free_port(), cases), nprocs=WORLD)
+    ranks(run, (free_port(), cases), WORLD)

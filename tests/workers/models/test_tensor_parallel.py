@@ -5,7 +5,6 @@ and packed, through the model's own attention and through the varlen path."""
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 
 from ppo_logprobs.workers import load_model, patch_model
@@ -17,7 +16,7 @@ from ppo_logprobs.workers.models.tensor_parallel import (
     shard_model,
     shard_of,
 )
-from tests.helpers import free_port, perturbed, save
+from tests.helpers import free_port, perturbed, ranks, save
 
 from .test_patch_model import batch, pack, tiny
 
@@ -161,7 +160,7 @@ def test_two_ranks_give_the_numbers_of_one(tmp_path):
              ("qwen3_moe", False), ("qwen2_moe", False), ("mixtral", False)]
     path = save(perturbed(9), tmp_path / "ckpt")
     mixture = save(tiny("qwen2_moe"), tmp_path / "moe")
-    mp.spawn(run, args=(free_port(), cases, path, mixture), nprocs=WORLD)
+    ranks(run, (free_port(), cases, path, mixture), WORLD)
 
 
 def test_what_cannot_be_sharded_is_named():
@@ -219,7 +218,7 @@ def run_cuda(rank, port):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_ranks_on_cuda_are_exact_as_one_and_invariant():
-    mp.spawn(run_cuda, args=(free_port(),), nprocs=WORLD)
+    ranks(run_cuda, (free_port(),), WORLD)
 
 
 def check_sums(rank, port):
@@ -240,4 +239,4 @@ def check_sums(rank, port):
 
 
 def test_three_ranks_sum_a_row_alike_wherever_it_sits():
-    mp.spawn(check_sums, args=(free_port(),), nprocs=3)
+    ranks(check_sums, (free_port(),), 3)
