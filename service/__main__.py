@@ -189,8 +189,9 @@ def serve_until_stopped(settings: Settings) -> None:
     # every Ray process this starts applies the edge's bounds first (edge.py), HAProxy's manager among them; the
     # environment goes with the job too, for the worker processes of a cluster that `ray start` began (RAY_ADDRESS),
     # which inherit their raylet's environment, not ours
-    env = {**Edge.of(settings).environment(), **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy"
-                                                  else {})}
+    # (each as main() left it: an operator's own value of one of these stands)
+    env = {**{name: os.environ.get(name, value) for name, value in Edge.of(settings).environment().items()},
+           **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy" else {})}
     ray.init(include_dashboard=False, runtime_env={"worker_process_setup_hook": f"{__package__}.edge.setup_worker",
                                                    "env_vars": env})
     try:

@@ -51,7 +51,11 @@ class Edge:
         idle = max(1, round(self.header_timeout_s))
         return {ENV: json.dumps(asdict(self)), "RAY_SERVE_HAPROXY_MAXCONN": str(self.max_connections),
                 # an idle client (before its headers, or stalled in its body) is dropped after this, not an hour
-                "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(idle)}
+                "RAY_SERVE_HAPROXY_TIMEOUT_CLIENT_S": str(idle),
+                # a stopping replica stays reachable this long, then refuses new connections (HAProxy retries them
+                # on another replica) and finishes those in flight: Serve's 30 s made every stop of the service
+                # (Ctrl-C, SIGTERM) take over 30 s, with a warning that its controller did not stop in time
+                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 def edge_template(template: str, edge: Edge) -> str:

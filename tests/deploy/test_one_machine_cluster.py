@@ -53,7 +53,6 @@ def refused_at_once(code: str, env: dict) -> bool:
 def test_serve_joins_a_two_node_cluster_on_loopback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1",
-               RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2",  # (the stop need not drain for 30 s)
                # HAProxy's metrics and statistics on ports of their own, not Ray's fixed 9101 and 8404
                RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()), RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()))
     haproxies = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"}
