@@ -35,6 +35,7 @@ _PAD_LOGIT = tl.constexpr(-1.0e30)
 # _order_keys's key of _PAD_LOGIT past every id (0xFFFFFFFF): below every key, an empty list's entry
 _NO_KEY = tl.constexpr((int.from_bytes(struct.pack("<f", _PAD_LOGIT.value), "little", signed=True) ^ 0x7FFFFFFF) << 32)
 COMBINE_HEAD = 8  # of each chosen tile's list, the entries the combine first looks among for the k largest
+FIRST_LOOK_WIDTH = 64  # top lists this wide or wider are first looked for so (shorter ones are merged in turn)
 TOP_K_WORKSPACE = 1 << 30  # bytes a top-k call may hold for its per-tile statistics and chosen tiles' lists
 
 
@@ -301,7 +302,8 @@ def _triton_combine_splits_kernel(
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
     pair_keys_ptr, pair_rest_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr, num_tiles, k_tiles,
     top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
-    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, HEAD: tl.constexpr, CANDIDATES: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
+    CANDIDATES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -329,25 +331,31 @@ def _triton_combine_splits_kernel(
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
     if TOP_K > 0:  # the k largest of the chosen tiles' lists; all the rest into the tail
-        ## NB: a list holds its tile's logits at or above the k-th tile maximum, most often one or two: the k largest
-        # are first looked for among the first HEAD of each list, in one top-k. That is exact unless some list's
-        # next key beats the k-th found (its tile holds more than HEAD of the k largest); then, for the whole block
-        # (a row's answer is the same either way), the lists are merged whole one after another.
+        ## NB: a list holds its tile's logits at or above the k-th tile maximum, most often one or two. With
+        # FIRST_LOOK (long lists: merging them one after another costs k sorts of 2 lists) the k largest are first
+        # looked for among the first HEAD of each list, in one top-k. That is exact unless some list's next key
+        # beats the k-th found (its tile holds more than HEAD of the k largest); then, for the whole block (a row's
+        # answer is the same either way), and always without FIRST_LOOK, the lists are merged whole in turn.
         offs_k = tl.arange(0, TOP_K)
         lists = rows.to(tl.int64)[:, None] * k_tiles + tl.arange(0, TOP_K)[None, :]  # [BLOCK, TOP_K] pairs
         listed = ok[:, None] & (tl.arange(0, TOP_K) < k_tiles)[None, :]
         heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + tl.arange(0, HEAD)[None, None, :],
                         mask=listed[:, :, None], other=_NO_KEY)
-        best = tl.topk(tl.reshape(heads, [BLOCK, TOP_K * HEAD]), TOP_K)
-        if HEAD < TOP_K:
-            kth = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)
-            after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=listed, other=_NO_KEY)
-            if tl.max(tl.where(after > kth[:, None], 1, 0)) > 0:
-                best = _no_keys(BLOCK, TOP_K)
-                for j in range(k_tiles):
-                    keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K
-                                   + offs_k[None, :], mask=ok[:, None], other=_NO_KEY)
-                    best = _merge_top(best, keys, TOP_K)
+        best = _no_keys(BLOCK, TOP_K)
+        merge = 1
+        if FIRST_LOOK:
+            best = tl.topk(tl.reshape(heads, [BLOCK, TOP_K * HEAD]), TOP_K)
+            merge = 0
+            if HEAD < TOP_K:
+                kth = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)
+                after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=listed, other=_NO_KEY)
+                merge = tl.max(tl.where(after > kth[:, None], 1, 0))
+        if merge > 0:
+            best = _no_keys(BLOCK, TOP_K)
+            for j in range(k_tiles):
+                keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K + offs_k[None, :],
+                               mask=ok[:, None], other=_NO_KEY)
+                best = _merge_top(best, keys, TOP_K)
         floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)  # the k-th largest
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
         # tokens hold nearly all of it).
@@ -527,15 +535,17 @@ def triton_log_probs_forward(
         )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
-    head = min(width, COMBINE_HEAD) if top_k else 1
+    first_look = width >= FIRST_LOOK_WIDTH
+    head = min(width, COMBINE_HEAD) if first_look else 1
     # (rows a program combines, fewer for long lists' heads; a row's result does not depend on it)
-    block = max(1, min(16, 4096 // (width * head))) if top_k else 128
+    block = max(1, min(16, 2048 // (width * head))) if top_k else 128  # (sm_90: no spills at k = 64-256)
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
         pair_keys, pair_rest, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
-        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, HEAD=head, CANDIDATES=candidates is not None, BLOCK=block,
+        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,
+        CANDIDATES=candidates is not None, BLOCK=block,
     )
     return log_probs, entropy, lse, extras
