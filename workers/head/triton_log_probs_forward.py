@@ -440,6 +440,15 @@ def group_schedule_reference(counts: Tensor, rows: int, block_m: int) -> tuple[T
     return (group.masked_fill(spare, -1), start.masked_fill(spare, 0), ends[known].masked_fill(spare, 0))
 
 
+def combine_tiling(width: int) -> tuple[bool, int, int]:
+    """The top-k combine's (first look, entries of each list it first looks among, rows a program) for top lists of
+    `width`; a row's result does not depend on them. 2,048 keys of heads a program: no spills on sm_90 at k = 64-256
+    (benchmarks/compile_sm90.py)."""
+    first_look = width >= FIRST_LOOK_WIDTH
+    head = min(width, COMBINE_HEAD) if first_look else 1
+    return first_look, head, max(1, min(16, 2048 // (width * head)))
+
+
 def top_width(k: int) -> int:
     """The width of the kernels' top lists for a top-k of k: a power of two, at least 2."""
     return max(2, triton.next_power_of_2(k))
@@ -535,10 +544,7 @@ def triton_log_probs_forward(
         )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
-    first_look = width >= FIRST_LOOK_WIDTH
-    head = min(width, COMBINE_HEAD) if first_look else 1
-    # (rows a program combines, fewer for long lists' heads; a row's result does not depend on it)
-    block = max(1, min(16, 2048 // (width * head))) if top_k else 128  # (sm_90: no spills at k = 64-256)
+    first_look, head, block = combine_tiling(width) if top_k else (False, 1, 128)
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
