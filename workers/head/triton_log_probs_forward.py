@@ -18,6 +18,7 @@ masses (the other tiles', the rest of the chosen tiles'), never 1 minus the top 
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +32,10 @@ from .torch_log_probs import Extras
 LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
 _PAD_LOGIT = tl.constexpr(-1.0e30)
+# _order_keys's key of _PAD_LOGIT past every id (0xFFFFFFFF): below every key, an empty list's entry
+_NO_KEY = tl.constexpr((int.from_bytes(struct.pack("<f", _PAD_LOGIT.value), "little", signed=True) ^ 0x7FFFFFFF) << 32)
+COMBINE_HEAD = 8  # of each chosen tile's list, the entries the combine first looks among for the k largest
+FIRST_LOOK_WIDTH = 64  # top lists this wide or wider are first looked for so (shorter ones are merged in turn)
 TOP_K_WORKSPACE = 1 << 30  # bytes a top-k call may hold for its per-tile statistics and chosen tiles' lists
 
 
@@ -107,7 +112,7 @@ def _key_logit(keys):
 @triton.jit
 def _no_keys(ROWS: tl.constexpr, TOP_K: tl.constexpr):
     """[ROWS, TOP_K] keys below every logit (a padding column's value, past every id): an empty top list."""
-    return _order_keys(tl.full([ROWS, TOP_K], _PAD_LOGIT, tl.float32), tl.full([ROWS, TOP_K], 0xFFFFFFFF, tl.int64))
+    return tl.full([ROWS, TOP_K], _NO_KEY, tl.int64)
 
 
 @triton.jit
@@ -297,7 +302,9 @@ def _triton_combine_splits_kernel(
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
     pair_keys_ptr, pair_rest_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr, num_tiles, k_tiles,
     top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
-    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
+    CANDIDATES: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -323,15 +330,33 @@ def _triton_combine_splits_kernel(
     tl.store(lse_ptr + rows, lse, mask=ok)
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
-    if TOP_K > 0:  # the chosen tiles' lists merged in order: the k largest; all the rest into the tail
+    if TOP_K > 0:  # the k largest of the chosen tiles' lists; all the rest into the tail
+        ## NB: a list holds its tile's logits at or above the k-th tile maximum, most often one or two. With
+        # FIRST_LOOK (long lists: merging them one after another costs k sorts of 2 lists) the k largest are first
+        # looked for among the first HEAD of each list, in one top-k. That is exact unless some list's next key
+        # beats the k-th found (its tile holds more than HEAD of the k largest); then, for the whole block (a row's
+        # answer is the same either way), and always without FIRST_LOOK, the lists are merged whole in turn.
         offs_k = tl.arange(0, TOP_K)
-        sentinel = _no_keys(BLOCK, TOP_K)
-        best = sentinel
-        for j in range(k_tiles):
-            keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K + offs_k[None, :],
-                           mask=ok[:, None], other=sentinel)
-            best = _merge_top(best, keys, TOP_K)
-        floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)[:, None]  # the k-th largest
+        lists = rows.to(tl.int64)[:, None] * k_tiles + tl.arange(0, TOP_K)[None, :]  # [BLOCK, TOP_K] pairs
+        listed = ok[:, None] & (tl.arange(0, TOP_K) < k_tiles)[None, :]
+        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + tl.arange(0, HEAD)[None, None, :],
+                        mask=listed[:, :, None], other=_NO_KEY)
+        best = _no_keys(BLOCK, TOP_K)
+        merge = 1
+        if FIRST_LOOK:
+            best = tl.topk(tl.reshape(heads, [BLOCK, TOP_K * HEAD]), TOP_K)
+            merge = 0
+            if HEAD < TOP_K:
+                kth = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)
+                after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=listed, other=_NO_KEY)
+                merge = tl.max(tl.where(after > kth[:, None], 1, 0))
+        if merge > 0:
+            best = _no_keys(BLOCK, TOP_K)
+            for j in range(k_tiles):
+                keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K + offs_k[None, :],
+                               mask=ok[:, None], other=_NO_KEY)
+                best = _merge_top(best, keys, TOP_K)
+        floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)  # the k-th largest
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
         # tokens hold nearly all of it).
         tail = tl.zeros([BLOCK], dtype=tl.float32)
@@ -341,11 +366,18 @@ def _triton_combine_splits_kernel(
             chosen = tl.load(tile_key_ptr + at, mask=ok, other=0) >= kth_key
             m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
             tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
-        for j in range(k_tiles):  # the chosen tiles' logits past their lists, and those of their lists below the k-th
-            at = rows.to(tl.int64) * k_tiles + j
-            keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :], mask=ok[:, None], other=sentinel)
-            rest = tl.where(keys < floor, tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E), 0.0)
-            tail += tl.load(pair_rest_ptr + at, mask=ok, other=0.0) + tl.sum(rest, axis=1)
+        # the chosen tiles' logits past their lists, and those of their lists below the k-th (an empty entry adds 0)
+        below = tl.where(heads < floor[:, None, None], tl.exp2((_key_logit(heads) - m[:, None, None]) * LOG2E), 0.0)
+        tail += tl.sum(tl.load(pair_rest_ptr + lists, mask=listed, other=0.0) + tl.sum(below, axis=2), axis=1)
+        if HEAD < TOP_K:
+            for j in range(k_tiles):  # the lists longer than HEAD, in any row of the block
+                at = rows.to(tl.int64) * k_tiles + j
+                if tl.max(tl.where(tl.load(pair_keys_ptr + at * TOP_K + HEAD, mask=ok, other=_NO_KEY) > _NO_KEY,
+                                   1, 0)) > 0:
+                    keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
+                                   mask=ok[:, None] & (offs_k >= HEAD)[None, :], other=_NO_KEY)
+                    tail += tl.sum(tl.where(keys < floor[:, None], tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E),
+                                            0.0), axis=1)
         top = ok[:, None] & (offs_k[None, :] < k)
         at = rows[:, None].to(tl.int64) * k + offs_k[None, :]
         kept = ~ignored[:, None]
@@ -406,6 +438,15 @@ def group_schedule_reference(counts: Tensor, rows: int, block_m: int) -> tuple[T
     ends = torch.cumsum(counts, 0)
     start = ends[known] - counts[known] + (program - last[known] + tiles[known]) * block_m
     return (group.masked_fill(spare, -1), start.masked_fill(spare, 0), ends[known].masked_fill(spare, 0))
+
+
+def combine_tiling(width: int) -> tuple[bool, int, int]:
+    """The top-k combine's (first look, entries of each list it first looks among, rows a program) for top lists of
+    `width`; a row's result does not depend on them. 2,048 keys of heads a program: no spills on sm_90 at k = 64-256
+    (benchmarks/compile_sm90.py)."""
+    first_look = width >= FIRST_LOOK_WIDTH
+    head = min(width, COMBINE_HEAD) if first_look else 1
+    return first_look, head, max(1, min(16, 2048 // (width * head)))
 
 
 def top_width(k: int) -> int:
@@ -503,13 +544,14 @@ def triton_log_probs_forward(
         )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
-    block = 16 if top_k else 128  # (rows a program combines; a row's result does not depend on it)
+    first_look, head, block = combine_tiling(width) if top_k else (False, 1, 128)
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
         pair_keys, pair_rest, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
-        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, CANDIDATES=candidates is not None, BLOCK=block,
+        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,
+        CANDIDATES=candidates is not None, BLOCK=block,
     )
     return log_probs, entropy, lse, extras

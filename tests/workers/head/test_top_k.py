@@ -114,6 +114,31 @@ def test_a_top_k_held_by_one_vocabulary_tile(backend):
     check(out, log_p, order, 16, torch.ones(13, dtype=torch.bool), TOL * (1 + biggest))
 
 
+
+@pytest.mark.parametrize(("backend", "first_look"), [("torch", None), ("triton", False), ("triton", True)])
+def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend, first_look, monkeypatch):
+    """For long top lists (first_look; at k = 16 here, 64 and more by default) the Triton combine first looks for the
+    k largest among the first 8 of each chosen tile's list, and merges the lists whole, as it does for shorter
+    ones, for a block holding a row whose tile has more of them: rows of either kind in one block, each against the
+    oracle and against itself scored alone (the same bits whichever way its block went)."""
+    from ppo_logprobs.workers.head import triton_log_probs_forward as forward
+    if first_look is not None:
+        monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 16 if first_look else 64)
+    hidden, weight, labels = inputs(13, 24, 503, seed=12)
+    crowded = torch.arange(13) % 3 == 0
+    hidden = torch.where(crowded[:, None], hidden.abs(), -hidden.abs())  # (the others' logits there are low)
+    weight[64:96] = weight[64:96].abs() + 1.0
+    log_p, order, biggest = oracle(hidden, weight)
+    per_tile = torch.stack([((order[:, :16] // 32) == t).sum(1) for t in range(16)], 1).max(1).values
+    assert (per_tile[crowded] == 16).all() and (per_tile[~crowded] <= 8).all()  # (what the test is about)
+    out = fused_log_probs(hidden, weight, labels, top_k=16, backend=backend)
+    check(out, log_p, order, 16, torch.ones(13, dtype=torch.bool), TOL * (1 + biggest))
+    for row in (1, 3):
+        alone = fused_log_probs(hidden[row:row + 1], weight, labels[row:row + 1], top_k=16, backend=backend)
+        assert torch.equal(alone.top_ids[0], out.top_ids[row])
+        for name in ("top_log_probs", "tail_log_prob"):
+            assert_same_bits(getattr(alone, name), getattr(out, name)[row:row + 1], backend == "triton")
+
 def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch):
     from ppo_logprobs.workers.head import triton_log_probs_forward as forward
     hidden, weight, labels = inputs(37, 24, 503, seed=10)
