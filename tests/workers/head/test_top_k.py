@@ -117,7 +117,7 @@ def test_a_top_k_held_by_one_vocabulary_tile(backend):
 
 @pytest.mark.parametrize(("backend", "first_look"), [("torch", None), ("triton", False), ("triton", True)])
 def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend, first_look, monkeypatch):
-    """For long top lists (first_look; at k = 16 here, 64 and more by default) the Triton combine first looks for the
+    """For long top lists (first_look; at k = 16 here, 128 and more by default) the Triton combine first looks for the
     k largest among the first 8 of each chosen tile's list, and merges the lists whole, as it does for shorter
     ones, for a block holding a row whose tile has more of them: rows of either kind in one block, each against the
     oracle and against itself scored alone (the same bits whichever way its block went)."""
