@@ -279,6 +279,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time tile configurations instead")
     parser.add_argument("--curve", action="store_true", help="time and memory against N, naive vs triton")
     parser.add_argument("--top-k", action="store_true", help="top-k and candidates against plain (forward, Triton)")
+    parser.add_argument("--profile", action="store_true", help="with --top-k: each top-k call's kernels, profiled")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
@@ -288,6 +289,14 @@ def main() -> None:
     print(f"# {meta}", flush=True)
     if args.top_k:
         results = run_top_k(shapes if args.shapes else [(32768, 4096, 151936)], "cuda" if cuda else "cpu")
+        if args.profile:
+            from bench_model import profile
+            n, h, v = shapes[0] if args.shapes else (32768, 4096, 151936)
+            hidden, weight, labels = make_inputs(n, h, v, device="cuda" if cuda else "cpu")
+            for k in (0, 64, 256):
+                print(f"# top-{k}, {n}x{h}x{v}: the kernels", flush=True)
+                profile(lambda k=k: fused_log_probs(hidden, weight, labels, backend="triton", top_k=k),
+                        "cuda" if cuda else "cpu")
     elif args.sweep:
         results = run_sweep(shapes)
     elif args.curve:

@@ -91,6 +91,53 @@ def steps(worker, tokens: int, repeats: int) -> list[dict]:
     return rows
 
 
+def launch(worker, tokens: int, out: str | None) -> list[dict]:
+    """Where the host's launch of a step goes: `worker.start` of one sequence of `tokens` and of the same tokens as
+    64-token requests, under cProfile (the 30 functions of most own time printed, the whole profile written beside
+    `out`), and the CUDA kernel launches and torch operators it makes (torch.profiler's CPU side)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from ppo_logprobs.workers.request import ScoreRequest
+
+    vocab, rows = worker.model.config.vocab_size, []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for size in (tokens, 64):
+        n = max(1, tokens // size)
+        requests = [worker.request(sequences(1, size // 2, 3 * size // 2, vocab, seed=i)) for i in range(n)]
+        joined = ScoreRequest.concat([q.span(0, len(q)) for q in requests])
+        for _ in range(3):
+            worker.start(joined)()
+        sync()
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        collect = worker.start(joined)
+        profiler.disable()
+        profiled_ms = 1000 * (time.perf_counter() - t0)
+        collect()
+        stats = pstats.Stats(profiler)
+        if out:
+            stats.dump_stats(f"{out}.launch_{size}.pstats")
+        print(f"# launch of {n} x {size} tokens under cProfile: {profiled_ms:.1f} ms", flush=True)
+        stats.sort_stats("tottime").print_stats(30)
+        sync()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            collect = worker.start(joined)
+        collect()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+        ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        top = sorted(((e.key, e.count, e.self_cpu_time_total / 1e3) for e in events), key=lambda x: -x[2])[:15]
+        rows.append(dict(part="launch", request_tokens=size, requests=n, profiled_ms=profiled_ms,
+                         kernel_launches=launches, aten_ops=ops, top_self_cpu_ms=top))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def line(worker, threads: int, seconds: float, size: int, pipelined: bool) -> dict:
     """The worker's line in this process: `threads` threads, each submitting requests of about `size` tokens one
     after another for `seconds`; `pipelined`: each step launched before the one before is collected (as a
@@ -195,10 +242,12 @@ def main() -> None:
     from ppo_logprobs.workers import LogProbWorker
 
     rows = []
-    if {"step", "line"} & set(args.parts):
+    if {"step", "line", "launch"} & set(args.parts):
         worker = LogProbWorker(args.model, **({"dtype": args.dtype} if args.dtype else {}))
         if "step" in args.parts:
             rows += steps(worker, args.tokens, args.repeats)
+        if "launch" in args.parts:
+            rows += launch(worker, args.tokens, args.out)
         if "line" in args.parts:
             rows += [line(worker, threads, args.seconds, 64, pipelined) for threads in (64, 512)
                      for pipelined in (False, True)]

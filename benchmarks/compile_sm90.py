@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ppo_logprobs.workers.head import triton_log_probs_forward as forward  # noqa: E402
 
 I64 = {"labels_ptr", "pair_keys_ptr", "tile_key_ptr", "top_tiles_ptr", "top_ids_ptr", "candidates_ptr"}
+I32 = {"pair_count_ptr"}
 INTS = {"N", "num_splits", "ignore_index", "num_tiles", "k_tiles", "k", "C"}
 
 
@@ -35,7 +36,8 @@ def combine(k: int) -> str:
     width = forward.top_width(k)
     first_look, head, block = forward.combine_tiling(width)
     const = dict(COMPUTE_ENTROPY=True, TOP_K=width, FIRST_LOOK=first_look, HEAD=head, CANDIDATES=False, BLOCK=block)
-    sig = {n: "constexpr" if n in const else "i32" if n in INTS else "*i64" if n in I64 else "*fp32"
+    sig = {n: "constexpr" if n in const else "i32" if n in INTS else "*i64" if n in I64 else "*i32" if n in I32
+           else "*fp32"
            for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))

@@ -32,6 +32,7 @@ from .torch_log_probs import Extras
 LOG2E = tl.constexpr(1.4426950408889634)
 # Logit given to the columns past V in the last tile: exp() of it is 0 and 0 * it is 0 (no inf * 0 = NaN).
 _PAD_LOGIT = tl.constexpr(-1.0e30)
+_TAKEN = tl.constexpr(-(2**31))  # an _ordered value no logit has (a NaN's): a column already listed
 # _order_keys's key of _PAD_LOGIT past every id (0xFFFFFFFF): below every key, an empty list's entry
 _NO_KEY = tl.constexpr((int.from_bytes(struct.pack("<f", _PAD_LOGIT.value), "little", signed=True) ^ 0x7FFFFFFF) << 32)
 COMBINE_HEAD = 8  # of each chosen tile's list, the entries the combine first looks among for the k largest
@@ -96,11 +97,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _ordered(z):
+    """int32 values ordering fp32 logits as the floats order them (-0.0 below +0.0): the high half of a key."""
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _order_keys(z, ids):
     """int64 keys ordering fp32 logits by value, then by the lower id (as torch_log_probs.order_keys)."""
-    bits = z.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-    return (ordered << 32) | (0xFFFFFFFF - ids.to(tl.int64))
+    return _ordered_keys(_ordered(z), ids)
+
+
+@triton.jit
+def _ordered_keys(ordered, ids):
+    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - ids.to(tl.int64))
 
 
 @triton.jit
@@ -254,15 +265,15 @@ def _triton_log_probs_forward_kernel(
 @triton.jit
 def _triton_top_tiles_kernel(
     hidden, weight, inv_temp_ptr, pair_ptr, tile_ptr, start_ptr, end_ptr, top_tiles_ptr,
-    pair_keys_ptr, pair_rest_ptr, V, H, stride_hn, stride_wv, k_tiles, softcap,
+    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, V, H, stride_hn, stride_wv, k_tiles, softcap,
     SOFTCAP: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, TOP_K: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """The second pass of a top-k: one vocabulary tile for BLOCK_N (token, tile) pairs that chose it.
 
     Per pair: the tile's logits at or above the token's k-th tile maximum, at most TOP_K of them, as keys in
-    descending order (at least the tile's largest, so that k chosen tiles always give k entries); and the mass
-    exp(z - row max) of the tile's other logits. The logits are computed as the first pass computed them."""
+    descending order (at least the tile's largest, so that k chosen tiles always give k entries), and how many; and
+    the mass exp(z - row max) of the tile's other logits. The logits are computed as the first pass computed them."""
     tile = tl.load(tile_ptr + tl.program_id(0)).to(tl.int64)
     at = tl.load(start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_N)
     ok = at < tl.load(end_ptr + tl.program_id(0))
@@ -277,35 +288,34 @@ def _triton_top_tiles_kernel(
         acc = softcap * _tanh(acc / softcap)
     inv_t = tl.load(inv_temp_ptr + rows)
     z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)
-    keys = _order_keys(z, cols[None, :] + tl.zeros([BLOCK_N, BLOCK_V], tl.int32))
+    ordered = _ordered(z)  # (keys' high halves: the key of a column is this and its id)
     first = rows.to(tl.int64) * k_tiles
-    low = (tl.load(top_tiles_ptr + first + k_tiles - 1) >> 32) << 32  # the least key of the k-th tile max's value
+    low = (tl.load(top_tiles_ptr + first + k_tiles - 1) >> 32).to(tl.int32)  # the k-th tile max's value
     if EVERY:  # fewer tiles than k: every tile is chosen and keeps its TOP_K largest
-        low = tl.full([BLOCK_N], -(2**63), tl.int64)
-    take = tl.minimum(tl.maximum(tl.sum((keys >= low[:, None]).to(tl.int32), axis=1), 1), TOP_K)
-    offs = tl.arange(0, TOP_K)
-    best = _no_keys(BLOCK_N, TOP_K)
-    taken = tl.full([BLOCK_N, BLOCK_V], -(2**63), tl.int64)  # (below every key)
-    for i in range(0, tl.max(tl.where(ok, take, 0), axis=0)):
-        top = tl.max(keys, axis=1)
-        now = i < take
-        best = tl.where((offs[None, :] == i) & now[:, None], top[:, None], best)
-        keys = tl.where((keys == top[:, None]) & now[:, None], taken, keys)
+        low = tl.full([BLOCK_N], -(2**31), tl.int32)
+    take = tl.minimum(tl.maximum(tl.sum((ordered >= low[:, None]).to(tl.int32), axis=1), 1), TOP_K)
+    here = tl.arange(0, BLOCK_V)
+    list_at = pair_keys_ptr + pair.to(tl.int64) * TOP_K
+    for i in range(0, tl.max(tl.where(ok, take, 0), axis=0)):  # the largest key left, then the next, ...
+        now = ok & (i < take)
+        top = tl.max(ordered, axis=1)
+        at_top = tl.min(tl.where(ordered == top[:, None], here[None, :], BLOCK_V), axis=1)  # (ties: the lower id)
+        tl.store(list_at + i, _ordered_keys(top, tile * BLOCK_V + at_top), mask=now)
+        ordered = tl.where((here[None, :] == at_top[:, None]) & now[:, None], _TAKEN, ordered)
     m = _key_logit(tl.load(top_tiles_ptr + first))  # the row's largest logit
-    rest = tl.sum(tl.where(keys != taken, tl.exp2((z - m[:, None]) * LOG2E), 0.0), axis=1)
-    tl.store(pair_keys_ptr + pair[:, None].to(tl.int64) * TOP_K + offs[None, :], best, mask=ok[:, None])
+    rest = tl.sum(tl.where(ordered != _TAKEN, tl.exp2((z - m[:, None]) * LOG2E), 0.0), axis=1)
     tl.store(pair_rest_ptr + pair, rest, mask=ok)
+    tl.store(pair_count_ptr + pair, take, mask=ok)
 
 
 @triton.jit
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
-    pair_keys_ptr, pair_rest_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr, num_tiles, k_tiles,
-    top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
+    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr,
+    num_tiles, k_tiles, top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
     COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
-    CANDIDATES: tl.constexpr,
-    BLOCK: tl.constexpr,
+    CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -340,8 +350,10 @@ def _triton_combine_splits_kernel(
         offs_k = tl.arange(0, TOP_K)
         lists = rows.to(tl.int64)[:, None] * k_tiles + tl.arange(0, TOP_K)[None, :]  # [BLOCK, TOP_K] pairs
         listed = ok[:, None] & (tl.arange(0, TOP_K) < k_tiles)[None, :]
-        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + tl.arange(0, HEAD)[None, None, :],
-                        mask=listed[:, :, None], other=_NO_KEY)
+        counts = tl.load(pair_count_ptr + lists, mask=listed, other=0)  # (a list's entries past its count: unset)
+        offs_h = tl.arange(0, HEAD)[None, None, :]
+        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + offs_h, mask=offs_h < counts[:, :, None],
+                        other=_NO_KEY)
         best = _no_keys(BLOCK, TOP_K)
         merge = 1
         if FIRST_LOOK:
@@ -349,13 +361,15 @@ def _triton_combine_splits_kernel(
             merge = 0
             if HEAD < TOP_K:
                 kth = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)
-                after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=listed, other=_NO_KEY)
+                after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=HEAD < counts, other=_NO_KEY)
                 merge = tl.max(tl.where(after > kth[:, None], 1, 0))
         if merge > 0:
             best = _no_keys(BLOCK, TOP_K)
             for j in range(k_tiles):
-                keys = tl.load(pair_keys_ptr + (rows.to(tl.int64) * k_tiles + j)[:, None] * TOP_K + offs_k[None, :],
-                               mask=ok[:, None], other=_NO_KEY)
+                at = rows.to(tl.int64) * k_tiles + j
+                n_j = tl.load(pair_count_ptr + at, mask=ok, other=0)
+                keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
+                               mask=offs_k[None, :] < n_j[:, None], other=_NO_KEY)
                 best = _merge_top(best, keys, TOP_K)
         floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)  # the k-th largest
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
@@ -370,13 +384,13 @@ def _triton_combine_splits_kernel(
         # the chosen tiles' logits past their lists, and those of their lists below the k-th (an empty entry adds 0)
         below = tl.where(heads < floor[:, None, None], tl.exp2((_key_logit(heads) - m[:, None, None]) * LOG2E), 0.0)
         tail += tl.sum(tl.load(pair_rest_ptr + lists, mask=listed, other=0.0) + tl.sum(below, axis=2), axis=1)
-        if HEAD < TOP_K:
+        if tl.max(counts) > HEAD:
             for j in range(k_tiles):  # the lists longer than HEAD, in any row of the block
                 at = rows.to(tl.int64) * k_tiles + j
-                if tl.max(tl.where(tl.load(pair_keys_ptr + at * TOP_K + HEAD, mask=ok, other=_NO_KEY) > _NO_KEY,
-                                   1, 0)) > 0:
+                n_j = tl.load(pair_count_ptr + at, mask=ok, other=0)
+                if tl.max(n_j) > HEAD:
                     keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
-                                   mask=ok[:, None] & (offs_k >= HEAD)[None, :], other=_NO_KEY)
+                                   mask=(offs_k >= HEAD)[None, :] & (offs_k[None, :] < n_j[:, None]), other=_NO_KEY)
                     tail += tl.sum(tl.where(keys < floor[:, None], tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E),
                                             0.0), axis=1)
         top = ok[:, None] & (offs_k[None, :] < k)
@@ -481,7 +495,7 @@ def triton_log_probs_forward(
         cfg = replace(cfg, block_v=width)
     num_tiles = triton.cdiv(v, cfg.block_v)
     k_tiles = min(top_k, num_tiles)
-    per_row = num_tiles * 16 + k_tiles * (8 * width + 12)  # (bytes of a row's tile statistics and chosen tiles)
+    per_row = num_tiles * 16 + k_tiles * (8 * width + 16)  # (bytes of a row's tile statistics and chosen tiles)
     chunk = max(cfg.block_n, TOP_K_WORKSPACE // per_row // cfg.block_n * cfg.block_n)
     if top_k and n > chunk:
         parts = [triton_log_probs_forward(
@@ -527,17 +541,18 @@ def triton_log_probs_forward(
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    top_tiles = pair_keys = pair_rest = label_logit
+    top_tiles = pair_keys = pair_rest = pair_count = label_logit
     if top_k:  # each row's k_tiles tiles of largest maxima, then those tiles again, grouped by tile
         top_tiles, chosen = torch.topk(tile_key.T, k_tiles, dim=1)  # (keys are unique: ties go to the lower tile)
         top_tiles, chosen = top_tiles.contiguous(), chosen.flatten()  # pair p: row p // k_tiles
         order = torch.argsort(chosen, stable=True)
         counts = torch.zeros(num_tiles, **i64).index_add_(0, chosen, torch.ones_like(chosen))
         tile, start, end = group_schedule(counts, n * k_tiles, cfg.block_n)
-        pair_keys = torch.empty(n * k_tiles, width, **i64)
+        pair_keys = torch.empty(n * k_tiles, width, **i64)  # (a list's entries past its count are never written)
         pair_rest = torch.empty(n * k_tiles, **f32)
+        pair_count = torch.empty(n * k_tiles, dtype=torch.int32, device=hidden.device)
         _triton_top_tiles_kernel[(tile.numel(),)](
-            hidden, weight, inv_temp, order, tile, start, end, top_tiles, pair_keys, pair_rest,
+            hidden, weight, inv_temp, order, tile, start, end, top_tiles, pair_keys, pair_rest, pair_count,
             v, h, hidden.stride(0), weight.stride(0), k_tiles, softcap or 1.0,
             SOFTCAP=softcap is not None, EVEN_H=h % cfg.block_h == 0, DOT_PRECISION=dot_precision(hidden.dtype),
             TOP_K=width, EVERY=k_tiles < top_k, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
@@ -549,7 +564,7 @@ def triton_log_probs_forward(
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
-        pair_keys, pair_rest, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
+        pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,

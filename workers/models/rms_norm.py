@@ -87,4 +87,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, style: Style = "llama") -> T
     """HF's RMSNorm of `style` over the last dim of x ([..., H]); weight [H]. Differentiable in x and weight."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight must be [{x.shape[-1]}] for x of shape {tuple(x.shape)}, got {tuple(weight.shape)}")
-    return _RMSNorm.apply(x, weight, eps, style)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps, style)
+    return _launch(x, weight, eps, style)  # (no autograd node: a scorer's forward launches less)

@@ -74,19 +74,23 @@ def _reference(x: Tensor, cos: Tensor, sin: Tensor, norm: Norm | None) -> Tensor
     return rotary_reference(x if norm is None else rms_norm_reference(x, *norm), cos, sin)
 
 
+def _launch(x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None, eps: float, style: str) -> Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    t, h, d = x.shape
+    _rotary_kernel[(triton.cdiv(t * h, _ROWS),)](
+        x, cos.contiguous(), sin.contiguous(), x if weight is None else weight.contiguous(), out, t * h, h,
+        d // 2, eps, BLOCK_D=triton.next_power_of_2(d // 2), ROWS=_ROWS, BF16=x.dtype == torch.bfloat16,
+        NORM=weight is not None, GEMMA=style == "gemma", num_warps=4, enable_fp_fusion=False)
+    return out
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None, eps: float, style: str) -> Tensor:
         ctx.save_for_backward(x if weight is not None else None, cos, sin, weight)
         ctx.eps, ctx.style = eps, style
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        t, h, d = x.shape
-        _rotary_kernel[(triton.cdiv(t * h, _ROWS),)](
-            x, cos.contiguous(), sin.contiguous(), x if weight is None else weight.contiguous(), out, t * h, h,
-            d // 2, eps, BLOCK_D=triton.next_power_of_2(d // 2), ROWS=_ROWS, BF16=x.dtype == torch.bfloat16,
-            NORM=weight is not None, GEMMA=style == "gemma", num_warps=4, enable_fp_fusion=False)
-        return out
+        return _launch(x, cos, sin, weight, eps, style)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -115,4 +119,6 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, norm: Norm | None = None) -> Ten
         raise ValueError(f"rotary needs x [T, H, D] with D even and cos, sin [T, D]; got x {tuple(x.shape)}, "
                          f"cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     weight, eps, style = norm if norm is not None else (None, 0.0, "llama")
-    return _Rotary.apply(x, cos, sin, weight, eps, style)
+    if torch.is_grad_enabled() and (x.requires_grad or weight is not None and weight.requires_grad):
+        return _Rotary.apply(x, cos, sin, weight, eps, style)
+    return _launch(x, cos, sin, weight, eps, style)  # (no autograd node: a scorer's forward launches less)

@@ -27,15 +27,18 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, (silu.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=inside)
 
 
+def _launch(gate: Tensor, up: Tensor) -> Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK, num_warps=8)
+    return out
+
+
 class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        _silu_mul_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK,
-                                                               num_warps=8)
-        return out
+        return _launch(gate, up)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -50,4 +53,6 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and "
                          f"{tuple(up.shape)} {up.dtype}")
-    return _SiluMul.apply(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SiluMul.apply(gate, up)
+    return _launch(gate, up)  # (no autograd node: a scorer's forward launches less)

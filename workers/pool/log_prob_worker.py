@@ -446,9 +446,13 @@ class LogProbWorker:
         return made, (dst, np.arange(dst.size), None), cost
 
     def _to_device(self, x: np.ndarray) -> torch.Tensor:
-        """x on the worker's device; on CUDA through pinned memory, so that the copy waits for nothing queued."""
+        """x on the worker's device; on CUDA through pinned memory, so that the copy waits for nothing queued (taken
+        from torch's pool of it: `pin_memory()` first asks CUDA about the pointer, ~0.3 ms a call on an H200)."""
         tensor = torch.from_numpy(x)
-        return tensor.pin_memory().to(self.device, non_blocking=True) if self.cuda else tensor.to(self.device)
+        if not self.cuda:
+            return tensor.to(self.device)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor).to(self.device,
+                                                                                              non_blocking=True)
 
     def _pieces_inputs(self, request: ScoreRequest, trees: Forest, offsets: np.ndarray) -> tuple[dict, tuple, int]:
         """_group_inputs for a row of shared prefixes: its pieces, and each distinct (position, label, temperature)

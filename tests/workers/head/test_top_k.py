@@ -115,29 +115,46 @@ def test_a_top_k_held_by_one_vocabulary_tile(backend):
 
 
 
-@pytest.mark.parametrize(("backend", "first_look"), [("torch", None), ("triton", False), ("triton", True)])
-def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend, first_look, monkeypatch):
-    """For long top lists (first_look; at k = 16 here, 128 and more by default) the Triton combine first looks for the
-    k largest among the first 8 of each chosen tile's list, and merges the lists whole, as it does for shorter
-    ones, for a block holding a row whose tile has more of them: rows of either kind in one block, each against the
-    oracle and against itself scored alone (the same bits whichever way its block went)."""
+def chosen_list_lengths(hidden, weight, k, tile=32, width=16):
+    """float64 statement of the second pass's lists: per row and chosen tile (the k of largest maxima), how many of
+    its logits are at or above the k-th tile maximum, at most `width` (the interpreter's tiles are 32 wide)."""
+    logits = hidden.double() @ weight.double().T
+    tiles = torch.nn.functional.pad(logits, (0, -logits.shape[1] % tile), value=float("-inf")).unflatten(1, (-1, tile))
+    maxima = tiles.max(-1).values
+    chosen = torch.zeros_like(maxima, dtype=torch.bool).scatter(
+        1, torch.sort(maxima, dim=-1, descending=True, stable=True).indices[:, :k], True)  # (ties to the lower tile)
+    floor = maxima.sort(-1, descending=True).values[:, k - 1]
+    return (tiles >= floor[:, None, None]).sum(-1).clamp(max=width) * chosen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend, monkeypatch):
+    """For long top lists (from 128 by default; at k = 12 here, lists of 16) the Triton combine first looks for the k
+    largest among the first 8 entries of each chosen tile's list; a block holding a row whose tile has more of them
+    merges the lists whole in turn, as shorter lists always are. Rows of three kinds: plain (short lists), one tile
+    crowded with the top (a list of 16), all logits tied (every list full): all in one block (merged), the plain
+    rows by themselves (first look only) and all merged in turn without a first look; each against the oracle,
+    and a row's bits the same every way."""
     from ppo_logprobs.workers.head import triton_log_probs_forward as forward
-    if first_look is not None:
-        monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 16 if first_look else 64)
-    hidden, weight, labels = inputs(13, 24, 503, seed=12)
-    crowded = torch.arange(13) % 3 == 0
-    hidden = torch.where(crowded[:, None], hidden.abs(), -hidden.abs())  # (the others' logits there are low)
+    hidden, weight, labels = inputs(6, 24, 1000, seed=16)
+    kind = torch.tensor([1, 0, 2, 0, 1, 0])
     weight[64:96] = weight[64:96].abs() + 1.0
+    hidden = torch.where((kind == 1)[:, None], hidden.abs(), torch.where((kind == 2)[:, None], 0.0, -hidden.abs()))
+    lengths = chosen_list_lengths(hidden, weight, 12)
+    assert (lengths[kind > 0].max(1).values == 16).all() and (lengths[kind == 0] <= 8).all()  # (what it is about)
     log_p, order, biggest = oracle(hidden, weight)
-    per_tile = torch.stack([((order[:, :16] // 32) == t).sum(1) for t in range(16)], 1).max(1).values
-    assert (per_tile[crowded] == 16).all() and (per_tile[~crowded] <= 8).all()  # (what the test is about)
-    out = fused_log_probs(hidden, weight, labels, top_k=16, backend=backend)
-    check(out, log_p, order, 16, torch.ones(13, dtype=torch.bool), TOL * (1 + biggest))
-    for row in (1, 3):
-        alone = fused_log_probs(hidden[row:row + 1], weight, labels[row:row + 1], top_k=16, backend=backend)
-        assert torch.equal(alone.top_ids[0], out.top_ids[row])
-        for name in ("top_log_probs", "tail_log_prob"):
-            assert_same_bits(getattr(alone, name), getattr(out, name)[row:row + 1], backend == "triton")
+    plain = kind == 0
+    monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 16)
+    block = fused_log_probs(hidden, weight, labels, top_k=12, backend=backend)
+    alone = fused_log_probs(hidden[plain], weight, labels[plain], top_k=12, backend=backend)
+    monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 10**9)
+    in_turn = fused_log_probs(hidden, weight, labels, top_k=12, backend=backend)
+    for out, rows in ((block, slice(None)), (alone, plain), (in_turn, slice(None))):
+        check(out, log_p[rows], order[rows], 12, torch.ones(len(out.top_ids), dtype=torch.bool), TOL * (1 + biggest))
+    for name in ("top_ids", "top_log_probs", "tail_log_prob"):
+        assert_same_bits(getattr(alone, name), getattr(block, name)[plain], backend == "triton")
+        assert_same_bits(getattr(in_turn, name), getattr(block, name), backend == "triton")
+
 
 def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch):
     from ppo_logprobs.workers.head import triton_log_probs_forward as forward
@@ -150,8 +167,8 @@ def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch)
             grids.append(grid)
             return kernel[grid]
 
-    # a row of 16 tiles (V = 503 in 32-wide tiles) and 5 chosen tiles' lists of 8 takes 16 * 16 + 5 * 76 bytes
-    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 20 * (16 * 16 + 5 * 76))  # (16 rows a chunk)
+    # a row of 16 tiles (V = 503 in 32-wide tiles) and 5 chosen tiles' lists of 8 takes 16 * 16 + 5 * 80 bytes
+    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 20 * (16 * 16 + 5 * 80))  # (16 rows a chunk)
     monkeypatch.setattr(forward, "_triton_top_tiles_kernel", Launches())
     chunked = fused_log_probs(hidden, weight, labels, top_k=5, token_ids=torch.tensor([7]), backend="triton")
     assert len(grids) == 3  # 16 + 16 + 5 rows
