@@ -114,7 +114,6 @@ def test_a_top_k_held_by_one_vocabulary_tile(backend):
     check(out, log_p, order, 16, torch.ones(13, dtype=torch.bool), TOL * (1 + biggest))
 
 
-
 def chosen_list_lengths(hidden, weight, k, tile=32, width=16):
     """float64 statement of the second pass's lists: per row and chosen tile (the k of largest maxima), how many of
     its logits are at or above the k-th tile maximum, at most `width` (the interpreter's tiles are 32 wide)."""
