@@ -17,14 +17,14 @@ if not torch.cuda.is_available():
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
-KEPT = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+KEPT = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch/_inductor/compile_worker")
 
 
 def _descendants() -> set[int]:
     """This pytest process's live descendants (a Ray it started, with its workers; a service it ran), less the
     helpers that multiprocessing starts on first use and keeps for the life of this process (its resource tracker,
-    and the server that helpers.ranks forks from: a file that started processes would otherwise wait the whole
-    deadline for them)."""
+    and the server that helpers.ranks forks from) and the compile workers torch.compile keeps on a GPU: a file that
+    started them would otherwise wait the whole deadline for them."""
     import psutil
 
     found = set()

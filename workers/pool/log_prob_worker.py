@@ -133,7 +133,9 @@ class LogProbWorker:
             raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
         if min_shared_prefix is not None and min_shared_prefix < 1:
             raise ValueError(f"min_shared_prefix must be positive (or None: no sharing), got {min_shared_prefix}")
-        self.device = load_options.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        # a model given as a module runs where it is; one to load, on the GPU where there is one
+        here = str(next(model.parameters()).device) if isinstance(model, torch.nn.Module) else None
+        self.device = load_options.pop("device", None) or here or ("cuda" if torch.cuda.is_available() else "cpu")
         version: int | None = 0
         if isinstance(model, torch.nn.Module):
             self.model = model

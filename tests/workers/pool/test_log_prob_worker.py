@@ -99,12 +99,13 @@ def test_pack_rows_respects_the_budget():
 
 
 class OutOfMemoryAbove(LogProbWorker):
-    """A worker whose device runs out of memory on rows over `limit` tokens (CUDA's error, raised on the CPU)."""
+    """A worker whose device runs out of memory on rows over `limit` tokens once it is set (CUDA's error, raised on
+    the CPU; not in the warm-up a worker runs on a GPU)."""
 
-    limit = 40
+    limit = None
 
     def _forward(self, **inputs):
-        if inputs["input_ids"].numel() > self.limit:
+        if self.limit is not None and inputs["input_ids"].numel() > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory (test device)")
         return super()._forward(**inputs)
 
@@ -113,6 +114,7 @@ class OutOfMemoryAbove(LogProbWorker):
 def test_out_of_memory_halves_the_forward_and_retries(model, layout, row_buckets):
     worker = OutOfMemoryAbove("tiny", max_tokens_per_batch=160, layout=layout, row_buckets=row_buckets,
                               backend="torch")
+    worker.limit = 40
     seqs = random_sequences(12, seed=1, hi=30)
     results = worker.score(seqs)
     assert worker.stats["oom_splits"] > 0 and worker.stats["max_row_tokens"] <= 40
@@ -149,7 +151,7 @@ def test_a_partial_update_changes_only_the_parameters_it_names(model):
     head = torch.randn(503, 64) * 0.1
     assert worker.update_weights({"lm_head.weight": head}, 3) == 3
     for name, p in worker.model.named_parameters():
-        assert torch.equal(p, head if name == "lm_head.weight" else model.get_parameter(name)), name
+        assert torch.equal(p.cpu(), head if name == "lm_head.weight" else model.get_parameter(name)), name
 
 
 @pytest.mark.parametrize(
