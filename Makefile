@@ -64,7 +64,6 @@ serve: install
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
 
 bench: install
-	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/bench_head.py
 
 clean:

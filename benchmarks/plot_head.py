@@ -1,5 +1,6 @@
 """Plot time and peak extra memory against N, naive vs fused, from `bench_head.py --curve` JSON.
 
+  .venv/bin/pip install -e '.[bench]'    # matplotlib: not in the environment `make` builds
   python benchmarks/plot_head.py benchmarks/results/head_curve_h200.json benchmarks/head_curve_h200.png
 """
 
