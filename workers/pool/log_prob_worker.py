@@ -284,13 +284,14 @@ class LogProbWorker:
             outputs[output.name] = output.empty(int(offsets[-1]), width)
         computed = lengths.astype(np.float64)  # (shared rows say less)
         limit = self.max_tokens_per_batch
-        queue = [(group, limit) for group in self._split(request, np.arange(len(request)), limit)]  # and the
-        launched = []  # most it may cost
+        # (sequences, the most their forward may cost, whether they may share a prefix)
+        queue = [(group, limit, shares) for group, shares in self._split(request, np.arange(len(request)), limit)]
+        launched = []
         while queue:
-            group, limit = queue.pop()
+            group, limit, shares = queue.pop()
             sizes = lengths[group]
             try:
-                launched.append(self._launch_group(request, group, limit, offsets, outputs))
+                launched.append(self._launch_group(request, group, limit, offsets, outputs, shares))
             except torch.OutOfMemoryError:
                 cost = self._row_cost(request, group, limit)
                 if len(group) == 1 and cost == sizes.max():  # one sequence, unpadded: nothing left to split
@@ -301,7 +302,7 @@ class LogProbWorker:
                 self.stats["oom_splits"] += 1
                 half = max(int(sizes.max()), cost // 2)  # less than cost, so this ends
                 log.warning("out of memory on a forward of %d tokens; retrying with at most %d", cost, half)
-                queue.extend((part, half) for part in self._split(request, group, half))
+                queue.extend((part, half, shares) for part, shares in self._split(request, group, half))
 
         def collect() -> ScoreResult:
             for (dst, take, shares), results, done in launched:
@@ -323,15 +324,17 @@ class LogProbWorker:
         ids = request.token_ids
         return self.min_shared_prefix is not None and (ids is None or bool((ids == ids[:1]).all()))
 
-    def _split(self, request: ScoreRequest, group: np.ndarray, limit: int) -> list[np.ndarray]:
-        """These sequences (request indices) in forwards of at most `limit` tokens computed; sequences that share a
-        prefix go together (a group too large for one splits in two, each still sharing)."""
+    def _split(self, request: ScoreRequest, group: np.ndarray, limit: int) -> list[tuple[np.ndarray, bool]]:
+        """These sequences (request indices) in forwards of at most `limit` tokens computed, each with whether its
+        sequences may share a prefix (where none of these does, no part of them can: its forest is not built
+        again); sequences that share a prefix go together (a group too large for one splits in two, each still
+        sharing)."""
         lengths = request.lengths[group]
         if self.layout == "padded":
-            return [group[b] for b in pad_batches(lengths, limit)]
+            return [(group[b], False) for b in pad_batches(lengths, limit)]
         trees = forest(request, group, self.min_shared_prefix) if self._shares(request) else None
         if trees is None or not trees.shared:
-            return [group[r] for r in pack_rows(lengths, limit)]
+            return [(group[r], False) for r in pack_rows(lengths, limit)]
         units, todo = [], [trees]
         while todo:
             trees = todo.pop()
@@ -342,7 +345,7 @@ class LogProbWorker:
                 else:
                     units.append((members, cost))
         rows = pack_rows(np.array([cost for _, cost in units], dtype=np.int64), limit)
-        return [np.concatenate([units[u][0] for u in row]) for row in rows]
+        return [(np.concatenate([units[u][0] for u in row]), True) for row in rows]
 
     def _row_cost(self, request: ScoreRequest, group: np.ndarray, limit: int) -> int:
         """Tokens one forward of these sequences computes, shared prefixes once, padding included."""
@@ -357,10 +360,11 @@ class LogProbWorker:
         return bucket_length(int(lengths.sum()), limit) if self.row_buckets else int(lengths.sum())
 
     def _launch_group(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
-                      outputs: dict[str, np.ndarray]) -> tuple[tuple, dict[str, torch.Tensor], torch.cuda.Event | None]:
+                      outputs: dict[str, np.ndarray],
+                      shares: bool) -> tuple[tuple, dict[str, torch.Tensor], torch.cuda.Event | None]:
         """Launches one forward of these sequences: where its entries go (see _group_inputs), its outputs (those
         named in `outputs`) on their way to the host, and the event after which they are there (None off CUDA)."""
-        inputs, where, cost = self._group_inputs(request, group, limit, offsets)
+        inputs, where, cost = self._group_inputs(request, group, limit, offsets, shares)
         with self.room(cost):
             out = self._forward(**inputs, compute_entropy="entropy" in outputs, top_k=request.top_k)
         results = {name: getattr(out, name).to("cpu", non_blocking=self.cuda) for name in outputs}
@@ -388,8 +392,8 @@ class LogProbWorker:
         request = self.request(input_ids, score_from, temperature=temperature, return_entropy=return_entropy)
         offsets = request.result_offsets()
         log_probs, entropy, where = [], [], []
-        for group in self._split(request, np.arange(len(request)), self.max_tokens_per_batch):
-            inputs, (dst, take, _), _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets)
+        for group, shares in self._split(request, np.arange(len(request)), self.max_tokens_per_batch):
+            inputs, (dst, take, _), _ = self._group_inputs(request, group, self.max_tokens_per_batch, offsets, shares)
             out = self._forward(**inputs, compute_entropy=return_entropy)
             take = torch.from_numpy(take).to(self.device)
             log_probs.append(out.log_probs[take])
@@ -402,13 +406,14 @@ class LogProbWorker:
 
         return per_sequence(log_probs), per_sequence(entropy) if return_entropy else None
 
-    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int,
-                      offsets: np.ndarray) -> tuple[dict, tuple, int]:
+    def _group_inputs(self, request: ScoreRequest, group: np.ndarray, limit: int, offsets: np.ndarray,
+                      shares: bool) -> tuple[dict, tuple, int]:
         """One forward's inputs for these sequences (on the device), where its results
         go in the request's flat results (whose sequence starts are `offsets`): entry dst[i] takes the forward's
         result take[i]; each sequence's part of the tokens computed, where prefixes are shared (else None); and its
-        cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py)."""
-        if self._shares(request):
+        cost in tokens. Sequences sharing a prefix are laid out in pieces (prefixes.py), where `shares` (_split's)
+        says they may."""
+        if shares:
             trees = forest(request, group, self.min_shared_prefix)
             if trees.shared:
                 return self._pieces_inputs(request, trees, offsets)
