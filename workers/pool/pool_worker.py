@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import ray
@@ -50,7 +51,10 @@ class PoolWorker:
         from .rank_group import GROUP_TIMEOUT_S, RankGroup
 
         restore = None
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        with warnings.catch_warnings():  # (Ray's check reads a property Ray deprecated: 3 lines in every worker's log)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        if restarted:
             restore = ray.get(owner.restore_spec.remote())
         if size > 1:  # one rank of a tensor-parallel worker: its parts, and its own local copy (weights/keep.py)
             options["shard"] = (rank, size)
