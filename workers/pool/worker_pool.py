@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from .weight_sender import WeightSender
 
 log = logging.getLogger(__name__)
+# Ray warns at each worker's creation that a restartable detached actor in a placement group dies with the group: a
+# named pool's group lives exactly as long as its workers (shutdown() removes both), as intended
+logging.getLogger("ray.actor").addFilter(
+    lambda record: not record.getMessage().startswith("Scheduling a restartable detached actor with a placement"))
 
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
 
