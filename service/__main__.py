@@ -194,6 +194,10 @@ def serve_until_stopped(settings: Settings) -> None:
            **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy" else {})}
     ray.init(include_dashboard=False, runtime_env={"worker_process_setup_hook": f"{__package__}.edge.setup_worker",
                                                    "env_vars": env})
+    # SIGTERM stops the service as Ctrl-C does, from here on: Ray's own handler ended this process with a stack dump
+    # and no Serve shutdown when it came while the application was deploying (/readyz can answer 200 before
+    # serve.run returns)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
         try:
@@ -208,12 +212,8 @@ def serve_until_stopped(settings: Settings) -> None:
         url = f"http://{settings.host}:{settings.port}"
         log.info("ready on %s (docs at %s/docs). Try:", url, url)
         log.info("  %s", curl_example(settings))
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
+        threading.Event().wait()  # until Ctrl-C or SIGTERM
+    except KeyboardInterrupt:
         log.info("shutting down: finishing requests in flight")
         serve.shutdown()
     finally:

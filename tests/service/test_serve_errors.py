@@ -1,11 +1,14 @@
 """Start-up mistakes of `ppo-logprobs serve`, each ended before Ray starts in one line that names the setting and
 its value, with exit code 2 (they were tracebacks of 19-349 lines, or a service that started and then failed every
-request); a model that cannot load, found only once Ray has started, ends the command the same way."""
+request); a model that cannot load, found only once Ray has started, ends the command the same way; a SIGTERM while
+it starts stops it in order."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,3 +91,29 @@ def test_a_model_that_cannot_load_stops_the_service_in_one_line(tmp_path):
         "deserializing header: header too large"), out.stderr[-3000:]
     # the keeper's replica was started once (Serve's controller logs each failed start with its traceback)
     assert out.stderr.count("PoolKeeper.initialize_and_get_metadata()") == 1, out.stderr[-3000:]
+
+
+def test_a_sigterm_while_it_deploys_stops_it_in_order(tmp_path):
+    """SIGTERM while the application deploys (/readyz can answer 200 before that ends): Serve is shut down, every
+    process the command started exits and so does the command, with 0, as after it is ready (Ray's own handler
+    ended it with a stack dump and no shutdown)."""
+    import psutil
+
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*SERVE, "--ingress", "python", "--port", str(free_port()), "--backend", "torch",
+                                 "--pool-name", "stopped-early"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Started Serve" not in log.read_text():  # (serve.run's deployment under way)
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [p.cmdline()[:3] for p in alive]
+    text = log.read_text()
+    assert "shutting down: finishing requests in flight" in text and "SIGTERM received" not in text, text[-3000:]
