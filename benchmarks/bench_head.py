@@ -25,7 +25,7 @@ from triton.testing import do_bench
 
 from ppo_logprobs.workers import fused_log_probs
 from ppo_logprobs.workers.head.triton_log_probs_backward import triton_log_probs_backward
-from ppo_logprobs.workers.head.triton_log_probs_forward import tile_config, triton_log_probs_forward
+from ppo_logprobs.workers.head.triton_log_probs_forward import tile_config, top_width, triton_log_probs_forward
 
 SHAPES = [(4096, 4096, 128256), (8192, 4096, 151936), (32768, 4096, 151936)]
 SAMPLE_ROWS = 256
@@ -238,7 +238,8 @@ def run_top_k(shapes, device: str) -> list[dict]:
             gap = float((log_p.gather(-1, out.top_ids[rows]) - log_p.gather(-1, ids)).abs().max())
             add(dict(base, case=f"top-{k}", ms=ms, ratio=ms / floor, vs_plain=ms / plain_ms, err=err,
                      ids_equal=bool(torch.equal(out.top_ids[rows], ids)),
-                     ids_differing=int((out.top_ids[rows] != ids).sum()), value_gap_at_our_ids=gap))
+                     ids_differing=int((out.top_ids[rows] != ids).sum()), value_gap_at_our_ids=gap,
+                     again=_computed_again(log_p, k, max(tile_config(hidden.dtype).block_v, top_width(k)))))
         fn = lambda: fused_log_probs(hidden, weight, labels, backend="triton", token_ids=candidates)  # noqa: E731
         ms = timer(fn)
         err = float((fn().candidate_log_probs[rows].double() - log_p[:, candidates]).abs().max())
@@ -255,12 +256,24 @@ def run_top_k(shapes, device: str) -> list[dict]:
     return results
 
 
+def _computed_again(log_p, k: int, block_v: int) -> float:
+    """Of the sampled rows' k chosen tiles (largest maxima), the share the second pass computes again: a second
+    largest at or above the k-th tile maximum (from float64 logits, so near-ties may count either way)."""
+    padded = torch.nn.functional.pad(log_p, (0, -log_p.shape[1] % block_v), value=float("-inf"))
+    tiles = padded.unflatten(1, (-1, block_v))
+    top2 = tiles.topk(2, dim=-1).values
+    k_tiles = min(k, tiles.shape[1])
+    low = top2[..., 0].topk(k_tiles, dim=-1).values[:, -1:]
+    return float(((top2[..., 0] >= low) & (top2[..., 1] >= low)).sum() / (len(log_p) * k_tiles))
+
+
 def _print_top_k(r: dict) -> None:
     print(f"{r['shape']:>20} {r['case']:>22} " + (f"{r['ms']:9.3f} ms {r['ratio']:6.3f}x GEMM "
           f"{r['vs_plain']:6.3f}x plain" if "ms" in r else "out of memory")
           + (f"  err {r['err']:.1e} (plain {r['plain_err']:.1e})" if "err" in r else "")
           + (" ids =" if r.get("ids_equal") else f" ids differ at {r['ids_differing']} (gap "
-             f"{r['value_gap_at_our_ids']:.1e})" if "ids_equal" in r else "") + f" ({r['wall_s']:.0f} s)",
+             f"{r['value_gap_at_our_ids']:.1e})" if "ids_equal" in r else "")
+          + (f", {r['again']:.1%} of chosen tiles again" if "again" in r else "") + f" ({r['wall_s']:.0f} s)",
           flush=True)
 
 

@@ -14,6 +14,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -35,7 +36,8 @@ def combine(k: int) -> str:
     fn = forward._triton_combine_splits_kernel
     width = forward.top_width(k)
     first_look, head, block = forward.combine_tiling(width)
-    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, FIRST_LOOK=first_look, HEAD=head, CANDIDATES=False, BLOCK=block)
+    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, FIRST_LOOK=first_look, HEAD=head, CANDIDATES=False,
+                 BLOCK_V=forward.tile_config(torch.bfloat16).block_v, BLOCK=block)
     sig = {n: "constexpr" if n in const else "i32" if n in INTS else "*i64" if n in I64 else "*i32" if n in I32
            else "*fp32"
            for n in fn.arg_names}

@@ -12,7 +12,7 @@ from triton.testing import do_bench
 import ppo_logprobs.workers.head.triton_log_probs_forward as F
 from ppo_logprobs.workers import fused_log_probs
 
-SETTINGS = [(F.FIRST_LOOK_WIDTH, F.COMBINE_HEAD), (64, 8), (128, 4), (128, 16), (10**9, 8)]  # (width, head)
+SETTINGS = [(F.FIRST_LOOK_WIDTH, F.COMBINE_HEAD), (2, 1), (2, 2), (2, 4), (2, 8), (10**9, 8)]  # (width, head)
 hidden, weight, labels = make_inputs(32768, 4096, 151936, device="cuda")
 plain = do_bench(lambda: fused_log_probs(hidden, weight, labels, backend="triton"), warmup=25, rep=100)
 print(f"plain {plain:.2f} ms", flush=True)

@@ -7,12 +7,14 @@ given) and folds them into fp32 online statistics per token:
 A small combine kernel merges the splits in a fixed order and gives log_prob, entropy and lse.
 The number of splits depends on V only, so a token's result never depends on how many tokens share the call.
 
-A top-k takes a second, small pass instead of sorting every tile. The first pass also stores each (token, tile)'s
-largest logit and mass. A token's top k lie in the k tiles with the largest maxima (ties to the lower tile): any
-other tile's best logit is below k logits of those tiles. The second pass recomputes only those k tiles of each
-token (k / num_tiles of the GEMM), grouped by tile so that each weight tile is read once for all its tokens, and
-keeps each tile's logits at or above the k-th tile maximum. The combine merges them; the tail is a sum of positive
-masses (the other tiles', the rest of the chosen tiles'), never 1 minus the top mass.
+A top-k takes a second, small pass instead of sorting every tile. The first pass also stores, per (token, tile),
+the tile's largest logit with its id, its second largest, and the mass of all but the largest. A token's top k
+lie in the k tiles of largest maxima (ties as keys order them): any other tile's best is below k logits of those.
+Each of those tiles gives its largest; only a tile whose second largest reaches the k-th tile maximum can hold
+more of the top k, so the second pass recomputes only such tiles (for random logits about k^2 / (2 * num_tiles)
+of a token's k: 3.4 of 64 at 594 tiles), grouped by tile so that each weight tile is read once for all the tokens
+that need it, and keeps each one's logits at or above the k-th tile maximum. The combine merges the lists; the tail
+is a sum of positive masses (the other tiles', the rest of the chosen tiles'), never 1 minus the top mass.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[obje
 def _triton_log_probs_forward_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
-    tile_key_ptr, tile_max_ptr, tile_sum_ptr, candidates_ptr, candidate_logit_ptr, C,
+    tile_key_ptr, tile_max_ptr, tile_rest_ptr, tile_second_ptr, candidates_ptr, candidate_logit_ptr, C,
     N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits, softcap,
     SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, TILE_STATS: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -236,11 +238,16 @@ def _triton_log_probs_forward_kernel(
             w = alpha * (w + (m - m_new) * s) + tl.sum(p * d, axis=1)
         p_sum = tl.sum(p, axis=1)
         s = alpha * s + p_sum
-        if TILE_STATS:  # for a top-k: the tile's largest logit (keyed by the tile), and its mass exp(z - m_new)
+        if TILE_STATS:  # for a top-k: the tile's largest logit keyed by its (lowest) id, the second largest's
+            # order bits, and the mass exp(z - m_new) of all but the largest
+            here = tl.arange(0, BLOCK_V)
+            at_max = tl.min(tl.where(z == z_max[:, None], here[None, :], BLOCK_V), axis=1)
+            others = here[None, :] != at_max[:, None]
             at = rows.to(tl.int64) + t * N  # (t * N < 2**31: the workspace bounds it)
-            tl.store(tile_key_ptr + at, _order_keys(z_max, tl.zeros([BLOCK_N], tl.int32) + t), mask=row_ok)
+            tl.store(tile_key_ptr + at, _order_keys(z_max, t * BLOCK_V + at_max), mask=row_ok)
             tl.store(tile_max_ptr + at, m_new, mask=row_ok)
-            tl.store(tile_sum_ptr + at, p_sum, mask=row_ok)
+            tl.store(tile_rest_ptr + at, tl.sum(tl.where(others, p, 0.0), axis=1), mask=row_ok)
+            tl.store(tile_second_ptr + at, _ordered(tl.max(tl.where(others, z, _PAD_LOGIT), axis=1)), mask=row_ok)
         m = m_new
         here = (labels >= t * BLOCK_V) & (labels < t * BLOCK_V + BLOCK_V)
         if tl.max(here.to(tl.int32), axis=0) > 0:
@@ -264,58 +271,59 @@ def _triton_log_probs_forward_kernel(
 
 @triton.jit
 def _triton_top_tiles_kernel(
-    hidden, weight, inv_temp_ptr, pair_ptr, tile_ptr, start_ptr, end_ptr, top_tiles_ptr,
+    hidden, weight, inv_temp_ptr, pair_ptr, tile_ptr, start_ptr, end_ptr, programs, top_tiles_ptr,
     pair_keys_ptr, pair_rest_ptr, pair_count_ptr, V, H, stride_hn, stride_wv, k_tiles, softcap,
     SOFTCAP: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr, TOP_K: tl.constexpr,
     EVERY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """The second pass of a top-k: one vocabulary tile for BLOCK_N (token, tile) pairs that chose it.
+    """The second pass of a top-k: per scheduled program (in turn over a grid of a few per SM), one vocabulary tile
+    for BLOCK_N (token, tile) pairs that need it again.
 
     Per pair: the tile's logits at or above the token's k-th tile maximum, at most TOP_K of them, as keys in
-    descending order (at least the tile's largest, so that k chosen tiles always give k entries), and how many; and
-    the mass exp(z - row max) of the tile's other logits. The logits are computed as the first pass computed them."""
-    tile = tl.load(tile_ptr + tl.program_id(0)).to(tl.int64)
-    at = tl.load(start_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_N)
-    ok = at < tl.load(end_ptr + tl.program_id(0))
-    if tile < 0:  # (a spare program of a grid sized for the worst case)
-        return
-    pair = tl.load(pair_ptr + at, mask=ok, other=0)
-    rows = pair // k_tiles
-    cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-    acc = _logits_tile(hidden, weight, 0, 0, rows, cols % V, H, stride_hn, stride_wv,
-                       BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, False)
-    if SOFTCAP:
-        acc = softcap * _tanh(acc / softcap)
-    inv_t = tl.load(inv_temp_ptr + rows)
-    z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)
-    ordered = _ordered(z)  # (keys' high halves: the key of a column is this and its id)
-    first = rows.to(tl.int64) * k_tiles
-    low = (tl.load(top_tiles_ptr + first + k_tiles - 1) >> 32).to(tl.int32)  # the k-th tile max's value
-    if EVERY:  # fewer tiles than k: every tile is chosen and keeps its TOP_K largest
-        low = tl.full([BLOCK_N], -(2**31), tl.int32)
-    take = tl.minimum(tl.maximum(tl.sum((ordered >= low[:, None]).to(tl.int32), axis=1), 1), TOP_K)
-    here = tl.arange(0, BLOCK_V)
-    list_at = pair_keys_ptr + pair.to(tl.int64) * TOP_K
-    for i in range(0, tl.max(tl.where(ok, take, 0), axis=0)):  # the largest key left, then the next, ...
-        now = ok & (i < take)
-        top = tl.max(ordered, axis=1)
-        at_top = tl.min(tl.where(ordered == top[:, None], here[None, :], BLOCK_V), axis=1)  # (ties: the lower id)
-        tl.store(list_at + i, _ordered_keys(top, tile * BLOCK_V + at_top), mask=now)
-        ordered = tl.where((here[None, :] == at_top[:, None]) & now[:, None], _TAKEN, ordered)
-    m = _key_logit(tl.load(top_tiles_ptr + first))  # the row's largest logit
-    rest = tl.sum(tl.where(ordered != _TAKEN, tl.exp2((z - m[:, None]) * LOG2E), 0.0), axis=1)
-    tl.store(pair_rest_ptr + pair, rest, mask=ok)
-    tl.store(pair_count_ptr + pair, take, mask=ok)
+    descending order (at least the tile's largest), and how many; and the mass exp(z - row max) of the tile's other
+    logits. The logits are computed as the first pass computed them."""
+    for prog in range(tl.program_id(0), programs, tl.num_programs(0)):
+        tile = tl.load(tile_ptr + prog).to(tl.int64)
+        if tile >= 0:  # (else a spare of a schedule sized for the worst case)
+            at = tl.load(start_ptr + prog) + tl.arange(0, BLOCK_N)
+            ok = at < tl.load(end_ptr + prog)
+            pair = tl.load(pair_ptr + at, mask=ok, other=0)
+            rows = pair // k_tiles
+            cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            acc = _logits_tile(hidden, weight, 0, 0, rows, cols % V, H, stride_hn, stride_wv,
+                               BLOCK_N, BLOCK_V, BLOCK_H, EVEN_H, DOT_PRECISION, False)
+            if SOFTCAP:
+                acc = softcap * _tanh(acc / softcap)
+            inv_t = tl.load(inv_temp_ptr + rows)
+            z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)
+            ordered = _ordered(z)  # (keys' high halves: the key of a column is this and its id)
+            first = rows.to(tl.int64) * k_tiles
+            low = (tl.load(top_tiles_ptr + first + k_tiles - 1) >> 32).to(tl.int32)  # the k-th tile max's value
+            if EVERY:  # fewer tiles than k: every tile is chosen and keeps its TOP_K largest
+                low = tl.full([BLOCK_N], -(2**31), tl.int32)
+            take = tl.minimum(tl.maximum(tl.sum((ordered >= low[:, None]).to(tl.int32), axis=1), 1), TOP_K)
+            here = tl.arange(0, BLOCK_V)
+            list_at = pair_keys_ptr + pair.to(tl.int64) * TOP_K
+            for i in range(0, tl.max(tl.where(ok, take, 0), axis=0)):  # the largest key left, then the next, ...
+                now = ok & (i < take)
+                top = tl.max(ordered, axis=1)
+                at_top = tl.min(tl.where(ordered == top[:, None], here[None, :], BLOCK_V), axis=1)  # (ties: lower id)
+                tl.store(list_at + i, _ordered_keys(top, tile * BLOCK_V + at_top), mask=now)
+                ordered = tl.where((here[None, :] == at_top[:, None]) & now[:, None], _TAKEN, ordered)
+            m = _key_logit(tl.load(top_tiles_ptr + first))  # the row's largest logit
+            rest = tl.sum(tl.where(ordered != _TAKEN, tl.exp2((z - m[:, None]) * LOG2E), 0.0), axis=1)
+            tl.store(pair_rest_ptr + pair, rest, mask=ok)
+            tl.store(pair_count_ptr + pair, take, mask=ok)
 
 
 @triton.jit
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
-    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, top_tiles_ptr,
+    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_rest_ptr, top_tiles_ptr,
     num_tiles, k_tiles, top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
     COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
-    CANDIDATES: tl.constexpr, BLOCK: tl.constexpr,
+    CANDIDATES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -342,18 +350,21 @@ def _triton_combine_splits_kernel(
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
     if TOP_K > 0:  # the k largest of the chosen tiles' lists; all the rest into the tail
-        ## NB: a list holds its tile's logits at or above the k-th tile maximum, most often one or two. With
-        # FIRST_LOOK (long lists: merging them one after another costs k sorts of 2 lists) the k largest are first
-        # looked for among the first HEAD of each list, in one top-k. That is exact unless some list's next key
-        # beats the k-th found (its tile holds more than HEAD of the k largest); then, for the whole block (a row's
-        # answer is the same either way), and always without FIRST_LOOK, the lists are merged whole in turn.
+        ## NB: a chosen tile's list starts with its largest logit, the first pass's key (top_tiles). A tile the second
+        # pass computed again (count > 0) lists its logits at or above the k-th tile maximum, at most TOP_K; any other
+        # lists its largest alone. With FIRST_LOOK the k largest are first looked for among the first HEAD of each
+        # list, in one top-k. That is exact unless some list's next key beats the k-th found (its tile holds more than
+        # HEAD of the k largest); then, for the whole block (a row's answer is the same either way), and always
+        # without FIRST_LOOK, the lists are merged whole in turn.
         offs_k = tl.arange(0, TOP_K)
-        lists = rows.to(tl.int64)[:, None] * k_tiles + tl.arange(0, TOP_K)[None, :]  # [BLOCK, TOP_K] pairs
-        listed = ok[:, None] & (tl.arange(0, TOP_K) < k_tiles)[None, :]
+        lists = rows.to(tl.int64)[:, None] * k_tiles + offs_k[None, :]  # [BLOCK, TOP_K] pairs
+        listed = ok[:, None] & (offs_k < k_tiles)[None, :]
+        firsts = tl.load(top_tiles_ptr + lists, mask=listed, other=_NO_KEY)
         counts = tl.load(pair_count_ptr + lists, mask=listed, other=0)  # (a list's entries past its count: unset)
         offs_h = tl.arange(0, HEAD)[None, None, :]
-        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + offs_h, mask=offs_h < counts[:, :, None],
-                        other=_NO_KEY)
+        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + offs_h,
+                        mask=(offs_h > 0) & (offs_h < counts[:, :, None]), other=_NO_KEY)
+        heads = tl.where(offs_h == 0, firsts[:, :, None], heads)
         best = _no_keys(BLOCK, TOP_K)
         merge = 1
         if FIRST_LOOK:
@@ -369,21 +380,31 @@ def _triton_combine_splits_kernel(
                 at = rows.to(tl.int64) * k_tiles + j
                 n_j = tl.load(pair_count_ptr + at, mask=ok, other=0)
                 keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
-                               mask=offs_k[None, :] < n_j[:, None], other=_NO_KEY)
+                               mask=(offs_k > 0)[None, :] & (offs_k[None, :] < n_j[:, None]), other=_NO_KEY)
+                keys = tl.where(offs_k[None, :] == 0, tl.load(top_tiles_ptr + at, mask=ok, other=_NO_KEY)[:, None],
+                                keys)
                 best = _merge_top(best, keys, TOP_K)
         floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)  # the k-th largest
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
         # tokens hold nearly all of it).
         tail = tl.zeros([BLOCK], dtype=tl.float32)
         kth_key = tl.load(top_tiles_ptr + rows.to(tl.int64) * k_tiles + k_tiles - 1, mask=ok, other=0)
-        for t in range(num_tiles):  # the tiles not chosen
+        for t in range(num_tiles):  # the tiles not chosen: their largest and the rest
             at = rows.to(tl.int64) + t * N
-            chosen = tl.load(tile_key_ptr + at, mask=ok, other=0) >= kth_key
-            m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
-            tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
-        # the chosen tiles' logits past their lists, and those of their lists below the k-th (an empty entry adds 0)
+            key_t = tl.load(tile_key_ptr + at, mask=ok, other=0)
+            out = ok & (key_t < kth_key)
+            m_t = tl.load(tile_max_ptr + at, mask=out, other=_PAD_LOGIT)
+            rest_t = tl.exp2((m_t - m) * LOG2E) * tl.load(tile_rest_ptr + at, mask=out, other=0.0)
+            tail += tl.where(out, rest_t + tl.exp2((_key_logit(key_t) - m) * LOG2E), 0.0)
+        # the chosen tiles' logits past their lists (the rest of a tile not computed again is the first pass's), and
+        # those of their lists below the k-th (an empty entry adds 0)
+        alone = listed & (counts == 0)
+        at_t = (0xFFFFFFFF - (firsts & 0xFFFFFFFF)) // BLOCK_V * N + rows[:, None]  # (the tile of a list's first key)
+        rests = tl.exp2((tl.load(tile_max_ptr + at_t, mask=alone, other=_PAD_LOGIT) - m[:, None]) * LOG2E) \
+            * tl.load(tile_rest_ptr + at_t, mask=alone, other=0.0)
+        rests = tl.where(alone, rests, tl.load(pair_rest_ptr + lists, mask=listed & (counts > 0), other=0.0))
         below = tl.where(heads < floor[:, None, None], tl.exp2((_key_logit(heads) - m[:, None, None]) * LOG2E), 0.0)
-        tail += tl.sum(tl.load(pair_rest_ptr + lists, mask=listed, other=0.0) + tl.sum(below, axis=2), axis=1)
+        tail += tl.sum(rests + tl.sum(below, axis=2), axis=1)
         if tl.max(counts) > HEAD:
             for j in range(k_tiles):  # the lists longer than HEAD, in any row of the block
                 at = rows.to(tl.int64) * k_tiles + j
@@ -464,6 +485,13 @@ def combine_tiling(width: int) -> tuple[bool, int, int]:
     return first_look, head, max(1, min(16, 2048 // (width * head)))
 
 
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a grid that walks a schedule in turn: two per SM (4 in the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def top_width(k: int) -> int:
     """The width of the kernels' top lists for a top-k of k: a power of two, at least 2."""
     return max(2, triton.next_power_of_2(k))
@@ -495,7 +523,7 @@ def triton_log_probs_forward(
         cfg = replace(cfg, block_v=width)
     num_tiles = triton.cdiv(v, cfg.block_v)
     k_tiles = min(top_k, num_tiles)
-    per_row = num_tiles * 16 + k_tiles * (8 * width + 16)  # (bytes of a row's tile statistics and chosen tiles)
+    per_row = num_tiles * 20 + k_tiles * (8 * width + 24)  # (bytes of a row's tile statistics and chosen tiles)
     chunk = max(cfg.block_n, TOP_K_WORKSPACE // per_row // cfg.block_n * cfg.block_n)
     if top_k and n > chunk:
         parts = [triton_log_probs_forward(
@@ -515,10 +543,11 @@ def triton_log_probs_forward(
     part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
     label_logit = torch.empty(n, **f32)
     extras = Extras()
-    tile_key = tile_max = tile_sum = label_logit  # (placeholders where not asked for)
+    tile_key = tile_max = tile_rest = tile_second = label_logit  # (placeholders where not asked for)
     if top_k:
         tile_key = torch.empty(num_tiles, n, **i64)
-        tile_max, tile_sum = torch.empty(2, num_tiles, n, **f32)
+        tile_max, tile_rest = torch.empty(2, num_tiles, n, **f32)
+        tile_second = torch.empty(num_tiles, n, dtype=torch.int32, device=hidden.device)
         extras.top_log_probs = torch.empty(n, top_k, **f32)
         extras.top_ids = torch.empty(n, top_k, **i64)
         extras.tail_log_prob = torch.empty(n, **f32)
@@ -533,7 +562,7 @@ def triton_log_probs_forward(
     h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
         h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
-        tile_key, tile_max, tile_sum, cand_ids, cand_out, num_candidates,
+        tile_key, tile_max, tile_rest, tile_second, cand_ids, cand_out, num_candidates,
         n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits, softcap or 1.0,
         SOFTCAP=softcap is not None, COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
         DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, TILE_STATS=top_k > 0,
@@ -542,18 +571,20 @@ def triton_log_probs_forward(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     top_tiles = pair_keys = pair_rest = pair_count = label_logit
-    if top_k:  # each row's k_tiles tiles of largest maxima, then those tiles again, grouped by tile
-        top_tiles, chosen = torch.topk(tile_key.T, k_tiles, dim=1)  # (keys are unique: ties go to the lower tile)
-        top_tiles, chosen = top_tiles.contiguous(), chosen.flatten()  # pair p: row p // k_tiles
+    if top_k:  # each row's k_tiles tiles of largest maxima; those that may hold more of its top k again, by tile
+        top_tiles, chosen = torch.topk(tile_key.T, k_tiles, dim=1)  # (keys are unique: ties go to the lower id)
+        top_tiles = top_tiles.contiguous()  # pair p: row p // k_tiles
+        again = tile_second.T.gather(1, chosen) >= (top_tiles[:, -1:] >> 32)  # (a second largest >= the k-th)
+        chosen = torch.where(again | (k_tiles < top_k), chosen, num_tiles).flatten()  # (num_tiles: not again)
         order = torch.argsort(chosen, stable=True)
-        counts = torch.zeros(num_tiles, **i64).index_add_(0, chosen, torch.ones_like(chosen))
+        counts = torch.zeros(num_tiles + 1, **i64).index_add_(0, chosen, torch.ones_like(chosen))[:num_tiles]
         tile, start, end = group_schedule(counts, n * k_tiles, cfg.block_n)
         pair_keys = torch.empty(n * k_tiles, width, **i64)  # (a list's entries past its count are never written)
         pair_rest = torch.empty(n * k_tiles, **f32)
-        pair_count = torch.empty(n * k_tiles, dtype=torch.int32, device=hidden.device)
-        _triton_top_tiles_kernel[(tile.numel(),)](
-            hidden, weight, inv_temp, order, tile, start, end, top_tiles, pair_keys, pair_rest, pair_count,
-            v, h, hidden.stride(0), weight.stride(0), k_tiles, softcap or 1.0,
+        pair_count = torch.zeros(n * k_tiles, dtype=torch.int32, device=hidden.device)  # (0: not computed again)
+        _triton_top_tiles_kernel[(min(tile.numel(), persistent_programs(hidden.device)),)](
+            hidden, weight, inv_temp, order, tile, start, end, tile.numel(), top_tiles, pair_keys, pair_rest,
+            pair_count, v, h, hidden.stride(0), weight.stride(0), k_tiles, softcap or 1.0,
             SOFTCAP=softcap is not None, EVEN_H=h % cfg.block_h == 0, DOT_PRECISION=dot_precision(hidden.dtype),
             TOP_K=width, EVERY=k_tiles < top_k, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -564,10 +595,10 @@ def triton_log_probs_forward(
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
-        pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_sum, top_tiles, num_tiles, k_tiles,
+        pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_rest, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,
-        CANDIDATES=candidates is not None, BLOCK=block,
+        CANDIDATES=candidates is not None, BLOCK_V=cfg.block_v, BLOCK=block,
     )
     return log_probs, entropy, lse, extras
