@@ -99,6 +99,12 @@ def _tanh(x):
 
 
 @triton.jit
+def _top_two(a, a_second, b, b_second):
+    """Combines the (largest, second largest) of two disjoint sets (a tie makes the second the largest)."""
+    return tl.maximum(a, b), tl.maximum(tl.minimum(a, b), tl.maximum(a_second, b_second))
+
+
+@triton.jit
 def _ordered(z):
     """int32 values ordering fp32 logits as the floats order them (-0.0 below +0.0): the high half of a key."""
     bits = z.to(tl.int32, bitcast=True)
@@ -201,7 +207,7 @@ def tile_operands(hidden: Tensor, weight: Tensor, cfg: TileConfig) -> tuple[obje
 def _triton_log_probs_forward_kernel(
     hidden, weight, labels_ptr, inv_temp_ptr,
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr,
-    tile_key_ptr, tile_max_ptr, tile_rest_ptr, tile_second_ptr, candidates_ptr, candidate_logit_ptr, C,
+    tile_key_ptr, tile_max_ptr, tile_sum_ptr, tile_rest_ptr, tile_second_ptr, candidates_ptr, candidate_logit_ptr, C,
     N, V, H, stride_hn, stride_wv, tiles_per_split, num_splits, softcap,
     SOFTCAP: tl.constexpr, COMPUTE_ENTROPY: tl.constexpr, EVEN_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, TILE_STATS: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -228,7 +234,11 @@ def _triton_log_probs_forward_kernel(
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
         z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
-        z_max = tl.max(z, axis=1)
+        if TILE_STATS:  # for a top-k: the tile's largest logit, its (lowest) column and the second largest
+            z_max, second = tl.reduce((z, tl.full(z.shape, _PAD_LOGIT, tl.float32)), 1, _top_two)
+            at_max = tl.min(tl.where(z == z_max[:, None], tl.arange(0, BLOCK_V)[None, :], BLOCK_V), axis=1)
+        else:
+            z_max = tl.max(z, axis=1)
         m_new = tl.maximum(m, z_max)
         d = z - m_new[:, None]
         p = tl.exp2(d * LOG2E)
@@ -238,16 +248,16 @@ def _triton_log_probs_forward_kernel(
             w = alpha * (w + (m - m_new) * s) + tl.sum(p * d, axis=1)
         p_sum = tl.sum(p, axis=1)
         s = alpha * s + p_sum
-        if TILE_STATS:  # for a top-k: the tile's largest logit keyed by its (lowest) id, the second largest's
-            # order bits, and the mass exp(z - m_new) of all but the largest
-            here = tl.arange(0, BLOCK_V)
-            at_max = tl.min(tl.where(z == z_max[:, None], here[None, :], BLOCK_V), axis=1)
-            others = here[None, :] != at_max[:, None]
+        if TILE_STATS:  # the largest keyed by its (lowest) id, the second largest's order bits, and the mass
+            # exp(z - m_new) of all and of those below the largest (a tile whose largest is tied is always computed
+            # again if chosen: its second reaches any floor its largest does)
+            at_max = tl.min(tl.where(z == z_max[:, None], tl.arange(0, BLOCK_V)[None, :], BLOCK_V), axis=1)
             at = rows.to(tl.int64) + t * N  # (t * N < 2**31: the workspace bounds it)
             tl.store(tile_key_ptr + at, _order_keys(z_max, t * BLOCK_V + at_max), mask=row_ok)
             tl.store(tile_max_ptr + at, m_new, mask=row_ok)
-            tl.store(tile_rest_ptr + at, tl.sum(tl.where(others, p, 0.0), axis=1), mask=row_ok)
-            tl.store(tile_second_ptr + at, _ordered(tl.max(tl.where(others, z, _PAD_LOGIT), axis=1)), mask=row_ok)
+            tl.store(tile_sum_ptr + at, p_sum, mask=row_ok)
+            tl.store(tile_rest_ptr + at, tl.sum(tl.where(z < z_max[:, None], p, 0.0), axis=1), mask=row_ok)
+            tl.store(tile_second_ptr + at, _ordered(second), mask=row_ok)
         m = m_new
         here = (labels >= t * BLOCK_V) & (labels < t * BLOCK_V + BLOCK_V)
         if tl.max(here.to(tl.int32), axis=0) > 0:
@@ -320,7 +330,8 @@ def _triton_top_tiles_kernel(
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,
-    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_rest_ptr, top_tiles_ptr,
+    pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, tile_rest_ptr,
+    top_tiles_ptr,
     num_tiles, k_tiles, top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
     COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
     CANDIDATES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK: tl.constexpr,
@@ -389,13 +400,11 @@ def _triton_combine_splits_kernel(
         # tokens hold nearly all of it).
         tail = tl.zeros([BLOCK], dtype=tl.float32)
         kth_key = tl.load(top_tiles_ptr + rows.to(tl.int64) * k_tiles + k_tiles - 1, mask=ok, other=0)
-        for t in range(num_tiles):  # the tiles not chosen: their largest and the rest
+        for t in range(num_tiles):  # the tiles not chosen
             at = rows.to(tl.int64) + t * N
-            key_t = tl.load(tile_key_ptr + at, mask=ok, other=0)
-            out = ok & (key_t < kth_key)
-            m_t = tl.load(tile_max_ptr + at, mask=out, other=_PAD_LOGIT)
-            rest_t = tl.exp2((m_t - m) * LOG2E) * tl.load(tile_rest_ptr + at, mask=out, other=0.0)
-            tail += tl.where(out, rest_t + tl.exp2((_key_logit(key_t) - m) * LOG2E), 0.0)
+            chosen = tl.load(tile_key_ptr + at, mask=ok, other=0) >= kth_key
+            m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
+            tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
         # the chosen tiles' logits past their lists (the rest of a tile not computed again is the first pass's), and
         # those of their lists below the k-th (an empty entry adds 0)
         alone = listed & (counts == 0)
@@ -523,7 +532,7 @@ def triton_log_probs_forward(
         cfg = replace(cfg, block_v=width)
     num_tiles = triton.cdiv(v, cfg.block_v)
     k_tiles = min(top_k, num_tiles)
-    per_row = num_tiles * 20 + k_tiles * (8 * width + 24)  # (bytes of a row's tile statistics and chosen tiles)
+    per_row = num_tiles * 24 + k_tiles * (8 * width + 24)  # (bytes of a row's tile statistics and chosen tiles)
     chunk = max(cfg.block_n, TOP_K_WORKSPACE // per_row // cfg.block_n * cfg.block_n)
     if top_k and n > chunk:
         parts = [triton_log_probs_forward(
@@ -543,10 +552,10 @@ def triton_log_probs_forward(
     part_wsum = torch.empty(num_splits, n, **f32) if compute_entropy else part_sum
     label_logit = torch.empty(n, **f32)
     extras = Extras()
-    tile_key = tile_max = tile_rest = tile_second = label_logit  # (placeholders where not asked for)
+    tile_key = tile_max = tile_sum = tile_rest = tile_second = label_logit  # (placeholders where not asked for)
     if top_k:
         tile_key = torch.empty(num_tiles, n, **i64)
-        tile_max, tile_rest = torch.empty(2, num_tiles, n, **f32)
+        tile_max, tile_sum, tile_rest = torch.empty(3, num_tiles, n, **f32)
         tile_second = torch.empty(num_tiles, n, dtype=torch.int32, device=hidden.device)
         extras.top_log_probs = torch.empty(n, top_k, **f32)
         extras.top_ids = torch.empty(n, top_k, **i64)
@@ -562,7 +571,7 @@ def triton_log_probs_forward(
     h_arg, w_arg, use_tma = tile_operands(hidden, weight, cfg)
     _triton_log_probs_forward_kernel[grid](
         h_arg, w_arg, labels, inv_temp, part_max, part_sum, part_wsum, label_logit,
-        tile_key, tile_max, tile_rest, tile_second, cand_ids, cand_out, num_candidates,
+        tile_key, tile_max, tile_sum, tile_rest, tile_second, cand_ids, cand_out, num_candidates,
         n, v, h, hidden.stride(0), weight.stride(0), tiles_per_split, num_splits, softcap or 1.0,
         SOFTCAP=softcap is not None, COMPUTE_ENTROPY=compute_entropy, EVEN_H=h % cfg.block_h == 0,
         DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, TILE_STATS=top_k > 0,
@@ -595,7 +604,7 @@ def triton_log_probs_forward(
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
-        pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_rest, top_tiles, num_tiles, k_tiles,
+        pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_sum, tile_rest, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,

@@ -166,8 +166,8 @@ def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch)
             grids.append(grid)
             return kernel[grid]
 
-    # a row of 16 tiles (V = 503 in 32-wide tiles) and 5 chosen tiles' lists of 8 takes 16 * 20 + 5 * 88 bytes
-    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 20 * (16 * 20 + 5 * 88))  # (16 rows a chunk)
+    # a row of 16 tiles (V = 503 in 32-wide tiles) and 5 chosen tiles' lists of 8 takes 16 * 24 + 5 * 88 bytes
+    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 20 * (16 * 24 + 5 * 88))  # (16 rows a chunk)
     monkeypatch.setattr(forward, "_triton_top_tiles_kernel", Launches())
     chunked = fused_log_probs(hidden, weight, labels, top_k=5, token_ids=torch.tensor([7]), backend="triton")
     assert len(grids) == 3  # 16 + 16 + 5 rows
