@@ -35,8 +35,8 @@ def ptxas() -> str:
 def combine(k: int) -> str:
     fn = forward._triton_combine_splits_kernel
     width = forward.top_width(k)
-    first_look, head, block = forward.combine_tiling(width)
-    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, FIRST_LOOK=first_look, HEAD=head, CANDIDATES=False,
+    block = forward.combine_rows(width)
+    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, CANDIDATES=False,
                  BLOCK_V=forward.tile_config(torch.bfloat16).block_v, BLOCK=block)
     sig = {n: "constexpr" if n in const else "i32" if n in INTS else "*i64" if n in I64 else "*i32" if n in I32
            else "*fp32"
@@ -49,7 +49,7 @@ def combine(k: int) -> str:
                          text=True)
     said = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
             if "Used" in line or "spill" in line]
-    return f"k = {k:3d} (TOP_K {width}, first look {first_look}, {block} rows a program): " + "; ".join(said)
+    return f"k = {k:3d} (TOP_K {width}, {block} rows a program): " + "; ".join(said)
 
 
 if __name__ == "__main__":

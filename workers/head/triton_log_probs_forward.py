@@ -37,9 +37,6 @@ _PAD_LOGIT = tl.constexpr(-1.0e30)
 _TAKEN = tl.constexpr(-(2**31))  # an _ordered value no logit has (a NaN's): a column already listed
 # _order_keys's key of _PAD_LOGIT past every id (0xFFFFFFFF): below every key, an empty list's entry
 _NO_KEY = tl.constexpr((int.from_bytes(struct.pack("<f", _PAD_LOGIT.value), "little", signed=True) ^ 0x7FFFFFFF) << 32)
-COMBINE_HEAD = 8  # of each chosen tile's list, the entries the combine first looks among for the k largest
-FIRST_LOOK_WIDTH = 128  # top lists this wide or wider are first looked for so (shorter ones are merged in turn: on
-# an H100, top-64 took 1.32x plain so and 1.44x with the first look; top-256 3.66x with it, 6.35x without)
 TOP_K_WORKSPACE = 1 << 30  # bytes a top-k call may hold for its per-tile statistics and chosen tiles' lists
 
 
@@ -127,19 +124,6 @@ def _key_logit(keys):
     """The fp32 logit a key was made from."""
     ordered = (keys >> 32).to(tl.int32)
     return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _no_keys(ROWS: tl.constexpr, TOP_K: tl.constexpr):
-    """[ROWS, TOP_K] keys below every logit (a padding column's value, past every id): an empty top list."""
-    return tl.full([ROWS, TOP_K], _NO_KEY, tl.int64)
-
-
-@triton.jit
-def _merge_top(best, more, TOP_K: tl.constexpr):
-    """The TOP_K largest keys of two [rows, TOP_K] sets, in descending order."""
-    both = tl.reshape(tl.join(best, more), [best.shape[0], 2 * TOP_K])
-    return tl.topk(both, TOP_K)
 
 
 @triton.jit
@@ -333,8 +317,8 @@ def _triton_combine_splits_kernel(
     pair_keys_ptr, pair_rest_ptr, pair_count_ptr, tile_key_ptr, tile_max_ptr, tile_sum_ptr, tile_rest_ptr,
     top_tiles_ptr,
     num_tiles, k_tiles, top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
-    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, FIRST_LOOK: tl.constexpr, HEAD: tl.constexpr,
-    CANDIDATES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK: tl.constexpr,
+    COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -361,44 +345,32 @@ def _triton_combine_splits_kernel(
     if COMPUTE_ENTROPY:
         tl.store(entropy_ptr + rows, tl.where(ignored, 0.0, log_s - w / s), mask=ok)
     if TOP_K > 0:  # the k largest of the chosen tiles' lists; all the rest into the tail
-        ## NB: a chosen tile's list starts with its largest logit, the first pass's key (top_tiles). A tile the second
-        # pass computed again (count > 0) lists its logits at or above the k-th tile maximum, at most TOP_K; any other
-        # lists its largest alone. With FIRST_LOOK the k largest are first looked for among the first HEAD of each
-        # list, in one top-k. That is exact unless some list's next key beats the k-th found (its tile holds more than
-        # HEAD of the k largest); then, for the whole block (a row's answer is the same either way), and always
-        # without FIRST_LOOK, the lists are merged whole in turn.
+        ## NB: each chosen tile gives its largest logit: top_tiles, the first pass's keys, in descending order. A tile
+        # the second pass computed again (count > 0) gives its other logits at or above the k-th tile maximum too
+        # (entries 1 .. count - 1 of its list), each put in its place in the descending list in turn; what falls off
+        # the list's end, and what the list holds past the k-th, is below the k-th largest. A row's insertions and
+        # its sums do not depend on the other rows of the block (another row's longer list inserts nothing here).
         offs_k = tl.arange(0, TOP_K)
         lists = rows.to(tl.int64)[:, None] * k_tiles + offs_k[None, :]  # [BLOCK, TOP_K] pairs
         listed = ok[:, None] & (offs_k < k_tiles)[None, :]
         firsts = tl.load(top_tiles_ptr + lists, mask=listed, other=_NO_KEY)
-        counts = tl.load(pair_count_ptr + lists, mask=listed, other=0)  # (a list's entries past its count: unset)
-        offs_h = tl.arange(0, HEAD)[None, None, :]
-        heads = tl.load(pair_keys_ptr + lists[:, :, None] * TOP_K + offs_h,
-                        mask=(offs_h > 0) & (offs_h < counts[:, :, None]), other=_NO_KEY)
-        heads = tl.where(offs_h == 0, firsts[:, :, None], heads)
-        best = _no_keys(BLOCK, TOP_K)
-        merge = 1
-        if FIRST_LOOK:
-            best = tl.topk(tl.reshape(heads, [BLOCK, TOP_K * HEAD]), TOP_K)
-            merge = 0
-            if HEAD < TOP_K:
-                kth = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)
-                after = tl.load(pair_keys_ptr + lists * TOP_K + HEAD, mask=HEAD < counts, other=_NO_KEY)
-                merge = tl.max(tl.where(after > kth[:, None], 1, 0))
-        if merge > 0:
-            best = _no_keys(BLOCK, TOP_K)
+        counts = tl.load(pair_count_ptr + lists, mask=listed, other=0)  # (0: not computed again, its largest alone)
+        best = firsts
+        tail = tl.zeros([BLOCK], dtype=tl.float32)
+        if tl.max(counts) > 1:
+            before = tl.broadcast_to(tl.maximum(offs_k - 1, 0)[None, :], [BLOCK, TOP_K])
             for j in range(k_tiles):
                 at = rows.to(tl.int64) * k_tiles + j
                 n_j = tl.load(pair_count_ptr + at, mask=ok, other=0)
-                keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
-                               mask=(offs_k > 0)[None, :] & (offs_k[None, :] < n_j[:, None]), other=_NO_KEY)
-                keys = tl.where(offs_k[None, :] == 0, tl.load(top_tiles_ptr + at, mask=ok, other=_NO_KEY)[:, None],
-                                keys)
-                best = _merge_top(best, keys, TOP_K)
-        floor = tl.sum(tl.where(offs_k[None, :] == k - 1, best, 0), axis=1)  # the k-th largest
+                for i in range(1, tl.max(n_j)):
+                    key = tl.load(pair_keys_ptr + at * TOP_K + i, mask=i < n_j, other=_NO_KEY)
+                    out = tl.minimum(tl.min(best, axis=1), key)  # (the list's last, or the key itself)
+                    tail += tl.exp2((_key_logit(out) - m) * LOG2E)  # (an empty entry adds 0)
+                    moved = tl.gather(best, before, axis=1)  # (each entry's predecessor)
+                    put = (offs_k[None, :] == 0) | (moved > key[:, None])
+                    best = tl.where(best > key[:, None], best, tl.where(put, key[:, None], moved))
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
         # tokens hold nearly all of it).
-        tail = tl.zeros([BLOCK], dtype=tl.float32)
         kth_key = tl.load(top_tiles_ptr + rows.to(tl.int64) * k_tiles + k_tiles - 1, mask=ok, other=0)
         for t in range(num_tiles):  # the tiles not chosen
             at = rows.to(tl.int64) + t * N
@@ -406,23 +378,14 @@ def _triton_combine_splits_kernel(
             m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
             tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
         # the chosen tiles' logits past their lists (the rest of a tile not computed again is the first pass's), and
-        # those of their lists below the k-th (an empty entry adds 0)
+        # the list's entries past the k-th
         alone = listed & (counts == 0)
         at_t = (0xFFFFFFFF - (firsts & 0xFFFFFFFF)) // BLOCK_V * N + rows[:, None]  # (the tile of a list's first key)
         rests = tl.exp2((tl.load(tile_max_ptr + at_t, mask=alone, other=_PAD_LOGIT) - m[:, None]) * LOG2E) \
             * tl.load(tile_rest_ptr + at_t, mask=alone, other=0.0)
         rests = tl.where(alone, rests, tl.load(pair_rest_ptr + lists, mask=listed & (counts > 0), other=0.0))
-        below = tl.where(heads < floor[:, None, None], tl.exp2((_key_logit(heads) - m[:, None, None]) * LOG2E), 0.0)
-        tail += tl.sum(rests + tl.sum(below, axis=2), axis=1)
-        if tl.max(counts) > HEAD:
-            for j in range(k_tiles):  # the lists longer than HEAD, in any row of the block
-                at = rows.to(tl.int64) * k_tiles + j
-                n_j = tl.load(pair_count_ptr + at, mask=ok, other=0)
-                if tl.max(n_j) > HEAD:
-                    keys = tl.load(pair_keys_ptr + at[:, None] * TOP_K + offs_k[None, :],
-                                   mask=(offs_k >= HEAD)[None, :] & (offs_k[None, :] < n_j[:, None]), other=_NO_KEY)
-                    tail += tl.sum(tl.where(keys < floor[:, None], tl.exp2((_key_logit(keys) - m[:, None]) * LOG2E),
-                                            0.0), axis=1)
+        past = tl.where(offs_k[None, :] >= k, tl.exp2((_key_logit(best) - m[:, None]) * LOG2E), 0.0)
+        tail += tl.sum(rests + past, axis=1)
         top = ok[:, None] & (offs_k[None, :] < k)
         at = rows[:, None].to(tl.int64) * k + offs_k[None, :]
         kept = ~ignored[:, None]
@@ -485,13 +448,9 @@ def group_schedule_reference(counts: Tensor, rows: int, block_m: int) -> tuple[T
     return (group.masked_fill(spare, -1), start.masked_fill(spare, 0), ends[known].masked_fill(spare, 0))
 
 
-def combine_tiling(width: int) -> tuple[bool, int, int]:
-    """The top-k combine's (first look, entries of each list it first looks among, rows a program) for top lists of
-    `width`; a row's result does not depend on them. 2,048 keys of heads a program: no spills on sm_90 at k = 64-256
-    (benchmarks/compile_sm90.py)."""
-    first_look = width >= FIRST_LOOK_WIDTH
-    head = min(width, COMBINE_HEAD) if first_look else 1
-    return first_look, head, max(1, min(16, 2048 // (width * head)))
+def combine_rows(width: int) -> int:
+    """The top-k combine's rows a program for top lists of `width` (a row's result does not depend on it)."""
+    return max(1, min(16, 2048 // width))
 
 
 def persistent_programs(device: torch.device) -> int:
@@ -585,8 +544,9 @@ def triton_log_probs_forward(
         top_tiles = top_tiles.contiguous()  # pair p: row p // k_tiles
         again = tile_second.T.gather(1, chosen) >= (top_tiles[:, -1:] >> 32)  # (a second largest >= the k-th)
         chosen = torch.where(again | (k_tiles < top_k), chosen, num_tiles).flatten()  # (num_tiles: not again)
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.zeros(num_tiles + 1, **i64).index_add_(0, chosen, torch.ones_like(chosen))[:num_tiles]
+        by_tile, order = torch.sort(chosen.to(torch.int32), stable=True)
+        bounds = torch.arange(num_tiles + 1, dtype=torch.int32, device=hidden.device)
+        counts = torch.searchsorted(by_tile, bounds).diff()  # (pairs a tile; those not again come last)
         tile, start, end = group_schedule(counts, n * k_tiles, cfg.block_n)
         pair_keys = torch.empty(n * k_tiles, width, **i64)  # (a list's entries past its count are never written)
         pair_rest = torch.empty(n * k_tiles, **f32)
@@ -600,14 +560,14 @@ def triton_log_probs_forward(
         )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
-    first_look, head, block = combine_tiling(width) if top_k else (False, 1, 128)
+    block = combine_rows(width) if top_k else 128
     _triton_combine_splits_kernel[(triton.cdiv(n, block),)](
         part_max, part_sum, part_wsum, label_logit, labels, log_probs,
         entropy if entropy is not None else lse, lse, n, num_splits, ignore_index,
         pair_keys, pair_rest, pair_count, tile_key, tile_max, tile_sum, tile_rest, top_tiles, num_tiles, k_tiles,
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
-        COMPUTE_ENTROPY=compute_entropy, TOP_K=width, FIRST_LOOK=first_look, HEAD=head,
+        COMPUTE_ENTROPY=compute_entropy, TOP_K=width,
         CANDIDATES=candidates is not None, BLOCK_V=cfg.block_v, BLOCK=block,
     )
     return log_probs, entropy, lse, extras

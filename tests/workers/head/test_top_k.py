@@ -127,32 +127,27 @@ def chosen_list_lengths(hidden, weight, k, tile=32, width=16):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend, monkeypatch):
-    """For long top lists (from 128 by default; at k = 12 here, lists of 16) the Triton combine first looks for the k
-    largest among the first 8 entries of each chosen tile's list; a block holding a row whose tile has more of them
-    merges the lists whole in turn, as shorter lists always are. Rows of three kinds: plain (short lists), one tile
-    crowded with the top (a list of 16), all logits tied (every list full): all in one block (merged), the plain
-    rows by themselves (first look only) and all merged in turn without a first look; each against the oracle,
-    and a row's bits the same every way."""
-    from ppo_logprobs.workers.head import triton_log_probs_forward as forward
+def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend):
+    """The Triton second pass computes a chosen tile again only where its second largest logit reaches the k-th
+    tile maximum, and the combine puts that tile's other entries into the row's list one by one. Rows of three
+    kinds: plain (most chosen tiles give their largest alone), one tile crowded with the top (a list of 16), all
+    logits tied (every chosen tile again, every list full): all in one block of the combine, and the plain rows by
+    themselves; each against the oracle, and a row's bits the same either way."""
     hidden, weight, labels = inputs(6, 24, 1000, seed=16)
     kind = torch.tensor([1, 0, 2, 0, 1, 0])
     weight[64:96] = weight[64:96].abs() + 1.0
     hidden = torch.where((kind == 1)[:, None], hidden.abs(), torch.where((kind == 2)[:, None], 0.0, -hidden.abs()))
     lengths = chosen_list_lengths(hidden, weight, 12)
     assert (lengths[kind > 0].max(1).values == 16).all() and (lengths[kind == 0] <= 8).all()  # (what it is about)
+    assert ((lengths[kind == 0] == 1).sum(1) >= 6).all()  # (the plain rows' tiles mostly give their largest alone)
     log_p, order, biggest = oracle(hidden, weight)
     plain = kind == 0
-    monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 16)
     block = fused_log_probs(hidden, weight, labels, top_k=12, backend=backend)
     alone = fused_log_probs(hidden[plain], weight, labels[plain], top_k=12, backend=backend)
-    monkeypatch.setattr(forward, "FIRST_LOOK_WIDTH", 10**9)
-    in_turn = fused_log_probs(hidden, weight, labels, top_k=12, backend=backend)
-    for out, rows in ((block, slice(None)), (alone, plain), (in_turn, slice(None))):
+    for out, rows in ((block, slice(None)), (alone, plain)):
         check(out, log_p[rows], order[rows], 12, torch.ones(len(out.top_ids), dtype=torch.bool), TOL * (1 + biggest))
     for name in ("top_ids", "top_log_probs", "tail_log_prob"):
         assert_same_bits(getattr(alone, name), getattr(block, name)[plain], backend == "triton")
-        assert_same_bits(getattr(in_turn, name), getattr(block, name), backend == "triton")
 
 
 def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch):
