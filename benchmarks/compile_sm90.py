@@ -36,7 +36,7 @@ def combine(k: int) -> str:
     fn = forward._triton_combine_splits_kernel
     width = forward.top_width(k)
     block = forward.combine_rows(width)
-    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, CANDIDATES=False,
+    const = dict(COMPUTE_ENTROPY=True, TOP_K=width, CANDIDATES=False, TILES=16,
                  BLOCK_V=forward.tile_config(torch.bfloat16).block_v, BLOCK=block)
     sig = {n: "constexpr" if n in const else "i32" if n in INTS else "*i64" if n in I64 else "*i32" if n in I32
            else "*fp32"

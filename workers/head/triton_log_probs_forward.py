@@ -318,7 +318,7 @@ def _triton_combine_splits_kernel(
     top_tiles_ptr,
     num_tiles, k_tiles, top_log_probs_ptr, top_ids_ptr, tail_ptr, k, candidates_ptr, candidate_logit_ptr, C,
     COMPUTE_ENTROPY: tl.constexpr, TOP_K: tl.constexpr, CANDIDATES: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TILES: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
@@ -372,11 +372,14 @@ def _triton_combine_splits_kernel(
         ## NB: every term is a positive mass; the tail is never a difference (1 - top mass cancels when the top
         # tokens hold nearly all of it).
         kth_key = tl.load(top_tiles_ptr + rows.to(tl.int64) * k_tiles + k_tiles - 1, mask=ok, other=0)
-        for t in range(num_tiles):  # the tiles not chosen
-            at = rows.to(tl.int64) + t * N
-            chosen = tl.load(tile_key_ptr + at, mask=ok, other=0) >= kth_key
-            m_t = tl.load(tile_max_ptr + at, mask=ok & ~chosen, other=_PAD_LOGIT)
-            tail += tl.exp2((m_t - m) * LOG2E) * tl.load(tile_sum_ptr + at, mask=ok & ~chosen, other=0.0)
+        for t in range(0, num_tiles, TILES):  # the tiles not chosen, TILES at a time
+            ts = t + tl.arange(0, TILES)
+            at = rows.to(tl.int64)[:, None] + ts.to(tl.int64)[None, :] * N
+            out = ok[:, None] & (ts < num_tiles)[None, :]
+            out &= tl.load(tile_key_ptr + at, mask=out, other=0) < kth_key[:, None]
+            m_t = tl.load(tile_max_ptr + at, mask=out, other=_PAD_LOGIT)
+            mass = tl.exp2((m_t - m[:, None]) * LOG2E) * tl.load(tile_sum_ptr + at, mask=out, other=0.0)
+            tail += tl.sum(mass, axis=1)
         # the chosen tiles' logits past their lists (the rest of a tile not computed again is the first pass's), and
         # the list's entries past the k-th
         alone = listed & (counts == 0)
@@ -568,6 +571,6 @@ def triton_log_probs_forward(
         extras.top_log_probs if top_k else lse, extras.top_ids if top_k else labels,
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width,
-        CANDIDATES=candidates is not None, BLOCK_V=cfg.block_v, BLOCK=block,
+        CANDIDATES=candidates is not None, BLOCK_V=cfg.block_v, BLOCK=block, TILES=16,
     )
     return log_probs, entropy, lse, extras
