@@ -8,7 +8,7 @@ A small combine kernel merges the splits in a fixed order and gives log_prob, en
 The number of splits depends on V only, so a token's result never depends on how many tokens share the call.
 
 A top-k takes a second, small pass instead of sorting every tile. The first pass also stores, per (token, tile),
-the tile's largest logit with its id, its second largest, and the mass of all but the largest. A token's top k
+the tile's largest logit with its id, its second largest, and the mass of the logits below the largest. A token's top k
 lie in the k tiles of largest maxima (ties as keys order them): any other tile's best is below k logits of those.
 Each of those tiles gives its largest; only a tile whose second largest reaches the k-th tile maximum can hold
 more of the top k, so the second pass recomputes only such tiles (for random logits about k^2 / (2 * num_tiles)
@@ -218,9 +218,8 @@ def _triton_log_probs_forward_kernel(
         if SOFTCAP:
             acc = softcap * _tanh(acc / softcap)
         z = tl.where((cols < V)[None, :], acc * inv_t[:, None], _PAD_LOGIT)  # [BLOCK_N, BLOCK_V]
-        if TILE_STATS:  # for a top-k: the tile's largest logit, its (lowest) column and the second largest
+        if TILE_STATS:  # for a top-k: the tile's largest logit and its second largest
             z_max, second = tl.reduce((z, tl.full(z.shape, _PAD_LOGIT, tl.float32)), 1, _top_two)
-            at_max = tl.min(tl.where(z == z_max[:, None], tl.arange(0, BLOCK_V)[None, :], BLOCK_V), axis=1)
         else:
             z_max = tl.max(z, axis=1)
         m_new = tl.maximum(m, z_max)
