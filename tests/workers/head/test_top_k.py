@@ -235,13 +235,14 @@ def test_bad_arguments_are_named(kwargs, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("k", [20, 64, 256])
-def test_compiled_top_k_is_exact_invariant_and_recomputes_the_first_pass_bits(k):
-    """bf16 on the GPU's own tiling (79 vocabulary tiles of 256; k = 256 chooses every tile): ids as float64's up to
-    near-ties (k = 256 meets some: two logits within an fp32 rounding), values within the plain log-probs' error; a
-    token's bits whatever else is in the call; and the second pass's logits the first pass's to the bit (the top-1
-    log-prob of a token whose label is its most likely id is its log-prob)."""
-    hidden, weight, labels = inputs(300, 256, 20011, seed=11)
+@pytest.mark.parametrize(("k", "v"), [(20, 20011), (64, 20011), (128, 40009), (256, 20011), (256, 80021)])
+def test_compiled_top_k_is_exact_invariant_and_recomputes_the_first_pass_bits(k, v):
+    """bf16 on the GPU's own tiling (vocabulary tiles of 256: 79 of them at V = 20011, where k = 256 chooses every
+    tile; 157 and 313 at the larger V): ids as float64's up to near-ties (two logits within an fp32 rounding),
+    values and the tail within the plain log-probs' error; a token's bits whatever else is in the call; and the
+    second pass's logits the first pass's to the bit (the top-1 log-prob of a token whose label is its most likely
+    id is its log-prob)."""
+    hidden, weight, labels = inputs(300, 256, v, seed=11)
     hidden, weight = hidden.cuda().bfloat16(), weight.cuda().bfloat16()
     log_p, order, biggest = oracle(hidden, weight)
     labels = torch.where(torch.arange(300) % 2 == 0, order[:, 0].cpu(), labels).cuda()
