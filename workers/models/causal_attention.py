@@ -4,6 +4,8 @@ Query segment i (rows cu_q[i]:cu_q[i + 1] of q) attends causally, from the botto
 cu_k[i]:cu_k[i + 1] of k and v): its last query sees every key, a shared prefix's keys come first. Grouped key-value
 heads are read in place. Each program takes BLOCK_M queries of one segment and head and walks their keys in blocks
 of BLOCK_N counted from the segment's first key, always in increasing order, with the softmax kept online in base 2.
+Inside a CUDA graph (graphs.py) the grid cannot follow the row: a fixed number of programs then walks the same tiles
+from a schedule computed on the device (`schedule`), each tile computed as the plain grid computes it.
 
 A query's output depends only on its own segment: the key blocks it sums are aligned to the segment, not to the
 row, and do not change with the other segments or where the segment sits. Whether a block is masked changes no
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting
+from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting, persistent_programs
 
 MAX_HEAD = 128  # larger heads keep FlashAttention's kernel (varlen_attention.attend)
 
@@ -74,66 +76,125 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
 
 
 @triton.jit
+def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, head, scale, window, group,
+                 total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Queries block * BLOCK_M .. + BLOCK_M - 1 of a segment, one head (nothing where the segment is shorter)."""
+    q0 = tl.load(cu_q + segment)
+    n_q = tl.load(cu_q + segment + 1) - q0
+    m0 = block * BLOCK_M
+    if m0 < n_q:
+        k0 = tl.load(cu_k + segment)
+        n_k = tl.load(cu_k + segment + 1) - k0
+        before = n_k - n_q  # keys ahead of the first query (a shared prefix)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        row_ok = rows < n_q
+        at = (q0 + rows).to(tl.int64)
+        q = tl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
+        k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
+        v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
+        pos = before + rows
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # (finite: a block a query sees nothing of changes nothing)
+        end = tl.minimum(n_k, before + m0 + BLOCK_M)
+        if WINDOW:  # every block masked
+            start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+            whole = start
+        else:  # blocks every query of the tile sees whole, then the diagonal's
+            start = 0
+            whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
+        for n in range(start, whole, BLOCK_N):
+            acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
+                                       stride_vt, D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION)
+        for n in range(whole, end, BLOCK_N):
+            acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
+                                       stride_vt, D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION)
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (d < D)[None, :])
+        tl.store(lse_ptr + head.to(tl.int64) * total_q + at, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+                 mask=row_ok)
+
+
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     segment = tl.program_id(0) // q_blocks  # (one grid axis: more segments than the 65535 of a second)
     block = q_blocks - 1 - tl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
-    head = tl.program_id(1)
-    q0 = tl.load(cu_q + segment)
-    n_q = tl.load(cu_q + segment + 1) - q0
-    m0 = block * BLOCK_M
-    if m0 >= n_q:
-        return
-    k0 = tl.load(cu_k + segment)
-    n_k = tl.load(cu_k + segment + 1) - k0
-    before = n_k - n_q  # keys ahead of the first query (a shared prefix)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    row_ok = rows < n_q
-    at = (q0 + rows).to(tl.int64)
-    q = tl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-    k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
-    v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
-    pos = before + rows
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # (finite: a block a query sees nothing of changes nothing)
-    end = tl.minimum(n_k, before + m0 + BLOCK_M)
-    if WINDOW:  # every block masked
-        start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-        whole = start
-    else:  # blocks every query of the tile sees whole, then the diagonal's
-        start = 0
-        whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
-    for n in range(start, whole, BLOCK_N):
-        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt, stride_vt,
-                                   D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION)
-    for n in range(whole, end, BLOCK_N):
-        acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt, stride_vt,
-                                   D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (d < D)[None, :])
-    tl.store(lse_ptr + head.to(tl.int64) * total_q + at, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, tl.program_id(1), scale, window,
+                 group, total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                 stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D, WINDOW, DOT_PRECISION)
+
+
+@triton.jit
+def _scheduled_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, tile_segment, tile_block,
+                                tile_count, scale, window, group, heads, total_q, stride_qt, stride_qh, stride_kt,
+                                stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The same tiles from a schedule on the device (see Schedule), each program taking every num_programs-th
+    (tile, head): a grid that does not depend on the row's segments, as a CUDA graph needs."""
+    for t in range(tl.program_id(0), tl.load(tile_count) * heads, tl.num_programs(0)):
+        tile = t // heads
+        _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, tl.load(tile_segment + tile),
+                     tl.load(tile_block + tile), t % heads, scale, window, group, total_q, stride_qt, stride_qh,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D,
+                     WINDOW, DOT_PRECISION)
+
+
+class Schedule(NamedTuple):
+    """The kernel's (segment, block) tiles of a packed row, on the device: tile i is block[i] of segment[i], for
+    i < count[0] (entries past it are unused); each segment's last block first, as the plain grid runs them."""
+
+    segment: Tensor
+    block: Tensor
+    count: Tensor
+
+
+def block_m(head: int, dtype: torch.dtype) -> int:
+    """The queries one tile takes, for heads of this size and dtype."""
+    return _tiles(head, dtype).block_m
+
+
+def schedule(cu_q: Tensor, block: int, capacity: int) -> Schedule:
+    """The tiles of the segments cu_q ([S + 1] int32; empty segments allowed) in `capacity` entries (at least
+    their number: sum of ceil(length / block)), by torch operations on cu_q's device alone (capturable)."""
+    blocks = (cu_q[1:] - cu_q[:-1] + block - 1) // block  # [S]
+    ends = torch.cumsum(blocks, 0)
+    at = torch.arange(capacity, device=cu_q.device)
+    segment = torch.searchsorted(ends, at, right=True).clamp_(max=blocks.shape[0] - 1)
+    first = ends[segment] - blocks[segment]
+    return Schedule(segment.to(torch.int32), (blocks[segment] - 1 - (at - first)).to(torch.int32),
+                    ends[-1:].to(torch.int32))
 
 
 def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, scale: float,
-            window: int | None, tiles: Tiles | None = None) -> tuple[Tensor, Tensor]:
+            window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
     tiles = tiles or _tiles(d, q.dtype)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
-    q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
-    grid = (q_blocks * (cu_q.shape[0] - 1), heads)
-    _attention_kernel[grid](
-        q, k, v, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks, t,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),  # (dots: 16+)
-        WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, enable_fp_fusion=False)  # (no FMAs: masked blocks round as whole ones)
+    common = (scale * math.log2(math.e), window or 0, heads // k.shape[1])
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+               out.stride(1))
+    # (BLOCK_D: dots take 16 or more; no FMAs: masked blocks round as whole ones)
+    sizes = dict(D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                 WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
+                 num_stages=tiles.num_stages, enable_fp_fusion=False)
+    if plan is None:
+        q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
+        _attention_kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
+            q, k, v, out, lse, cu_q, cu_k, *common, q_blocks, t, *strides, **sizes)
+    else:
+        programs = min(persistent_programs(q.device), plan.segment.shape[0] * heads)
+        _scheduled_attention_kernel[(programs,)](
+            q, k, v, out, lse, cu_q, cu_k, *plan, *common, heads, t, *strides, **sizes)
     return out, lse
 
 
@@ -158,14 +219,15 @@ class _Attention(torch.autograd.Function):
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                     scale: float | None = None, window: int | None = None) -> Tensor:
+                     scale: float | None = None, window: int | None = None, plan: Schedule | None = None) -> Tensor:
     """q [Tq, H, D], k and v [Tk, Hkv, D] (H a multiple of Hkv, D at most 256), segments by cu_q and cu_k (int32
     [S + 1]; each key segment at least as long as its query segment) -> [Tq, H, D]; `window`: a query sees the keys
-    less than `window` behind it. Differentiable on CUDA (FlashAttention's backward)."""
+    less than `window` behind it; `plan`: the tiles as a schedule on the device (see schedule(): the grid no longer
+    depends on cu_q, max_q is unused; the same bits). Differentiable on CUDA (FlashAttention's backward)."""
     if q.shape[-1] > 256 or q.shape[1] % k.shape[1] or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: heads of at most 256 elements, "
                          "query heads a multiple of key heads, each head contiguous")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return _Attention.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, window)
-    return _launch(q, k, v, cu_q, cu_k, max_q, scale, window)[0]
+    return _launch(q, k, v, cu_q, cu_k, max_q, scale, window, plan=plan)[0]

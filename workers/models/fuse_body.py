@@ -85,7 +85,7 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
     sliding = {"module": getattr(self, "sliding_window", None), "config": getattr(self.config, "sliding_window", None),
                "none": None}[window]
     out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding,
-                                  kwargs.get("shared_keys"))
+                                  kwargs.get("shared_keys"), kwargs.get("attention_plan"))
     return self.o_proj(out.reshape(1, t, -1)), None
 
 

@@ -263,6 +263,12 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
         keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
     ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
     real, least = ids.shape[0], max(min_tokens, 1)  # (a call of padding only still runs one row)
+    graphs = getattr(self, "body_graphs", None)  # (graphs.py: a row in pieces without shared keys, no gradient)
+    if (graphs is not None and pieces is not None and pieces.keys is None and real >= 1 and set(kwargs) <= {"use_cache"}
+            and not torch.is_grad_enabled()):
+        hidden = graphs.body(ids, positions, pieces.cu_q)
+        if hidden is not None:
+            return hidden, None
     if real < least:
         filler = torch.arange(least - real, device=ids.device)
         ids, positions = torch.cat([ids, torch.zeros_like(filler)]), torch.cat([positions, filler])

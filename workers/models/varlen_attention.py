@@ -108,16 +108,19 @@ class Pieces:
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, cu_seq_lens: Tensor, max_length: int, scale: float | None = None,
-           sliding_window: int | None = None, keys: Keys | None = None) -> Tensor:
+           sliding_window: int | None = None, keys: Keys | None = None,
+           plan: causal_attention.Schedule | None = None) -> Tensor:
     """Causal attention of each sequence of a packed row to itself (or to `keys`): q [T, H, D], k and v [T, Hkv, D]
     (H a multiple of Hkv) -> [T, H, D]. On CUDA one call of our kernel (causal_attention.py) for heads of up to
     MAX_HEAD elements, else of FlashAttention's varlen kernel (both read grouped heads in place, both
-    differentiable); elsewhere sdpa per sequence, the reference."""
+    differentiable); elsewhere sdpa per sequence, the reference. `plan`: our kernel's tiles as a schedule on the
+    device (causal_attention.schedule; a CUDA graph's forward)."""
     cu_k, max_k = cu_seq_lens, max_length
     if keys is not None:
         k, v, cu_k, max_k = k[keys.kv_index], v[keys.kv_index], keys.cu_k, keys.max_k
     if q.is_cuda and q.shape[-1] <= causal_attention.MAX_HEAD:
-        return causal_attention.causal_attention(q, k, v, cu_seq_lens, cu_k, max_length, max_k, scale, sliding_window)
+        return causal_attention.causal_attention(q, k, v, cu_seq_lens, cu_k, max_length, max_k, scale, sliding_window,
+                                                 plan)
     if q.is_cuda:
         return torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seq_lens, cu_k, max_length, max_k, 0.0, True, False, scale=scale,

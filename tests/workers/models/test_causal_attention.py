@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ppo_logprobs.workers.models.causal_attention import _launch, causal_attention
+from ppo_logprobs.workers.models.causal_attention import _launch, block_m, causal_attention, schedule
 
 from ..head.reference import assert_same_bits
 
@@ -88,6 +88,24 @@ def test_a_querys_bits_are_its_own(dtype, window):
         cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
         out = causal_attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
         assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_tiles_from_a_schedule_on_the_device_give_the_grids_bits(window):
+    """The schedule (what a CUDA graph's forward runs: a grid that does not change with the row) lists each
+    (segment, block) once, each segment's last block first, empty segments none, with room to spare; the kernel
+    walking it gives the plain grid's bits."""
+    q_lengths, k_lengths = (1, 0, 7, 40, 16, 0, 30, 33), (1, 0, 7, 40, 30, 0, 30, 33)
+    q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=5)
+    block = block_m(HEAD_DIM, q.dtype)
+    want = [(s, b) for s, n in enumerate(q_lengths) for b in reversed(range(-(-n // block)))]
+    plan = schedule(cu_q, block, len(want) + 9)
+    count = int(plan.count[0])
+    assert count == len(want) and plan.segment.shape == (len(want) + 9,)
+    assert list(zip(plan.segment[:count].tolist(), plan.block[:count].tolist(), strict=True)) == want
+    grid = causal_attention(q, k, v, cu_q, cu_k, max(q_lengths), max(k_lengths), None, window)
+    walked = causal_attention(q, k, v, cu_q, cu_k, 0, 0, None, window, plan)
+    assert torch.equal(walked, grid)
 
 
 def test_bad_shapes_are_refused():
