@@ -7,7 +7,8 @@ that attends only to itself, as the filler that brings a short row to MIN_TOKENS
 on the rows beside it: docs/exactness.md). The attention's tiles come from a schedule computed in the graph from the
 row's segment offsets (causal_attention.schedule), so that its grid does not change with the row. Buckets are 1/8
 apart (at most 12.5% of a forward is filler). The graphs share one memory pool and one set of input and output
-buffers: they run one at a time, in the order of the worker's stream.
+buffers: a row fills them, replays and copies its hidden states out under one lock, so rows from several threads
+cannot mix.
 
 Rows it cannot take run as before: shared-prefix keys (their gathered keys vary in length), a gradient, other
 outputs asked of the body, more tokens than the largest bucket.
@@ -16,6 +17,7 @@ outputs asked of the body, more tokens than the largest bucket.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +66,7 @@ class BodyGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.failed: str | None = None  # why a capture failed: no graph is tried again
         self.replays = 0
+        self.lock = threading.Lock()
         device = next(model.parameters()).device
         size = self.sizes[-1] if self.sizes else 0
         self.ids = torch.zeros(size, dtype=torch.long, device=device)
@@ -83,19 +86,21 @@ class BodyGraphs:
         size = self.bucket(ids.shape[0])
         if size is None or self.failed:
             return None
-        graph = self.graphs.get(size) or self._capture(size)
-        if graph is None:
-            return None
-        self._fill(ids, positions, cu_q, size)
-        graph.replay()
-        self.replays += 1
-        return self.hidden[: ids.shape[0]]
+        with self.lock:
+            graph = self.graphs.get(size) or self._capture(size)
+            if graph is None:
+                return None
+            self._fill(ids, positions, cu_q, size)
+            graph.replay()
+            self.replays += 1
+            return self.hidden[: ids.shape[0]].clone()  # (the next replay writes the buffer again)
 
     def capture_all(self) -> None:
         """Captures every bucket's graph (largest first: the smaller reuse its memory)."""
-        for size in reversed(self.sizes):
-            if size not in self.graphs and self._capture(size) is None:
-                return
+        with self.lock:
+            for size in reversed(self.sizes):
+                if size not in self.graphs and self._capture(size) is None:
+                    return
 
     def _fill(self, ids: Tensor, positions: Tensor, cu_q: Tensor, size: int) -> None:
         """The inputs of a row in the buffers: its tokens, then filler (whatever ids and positions a row left there:
@@ -114,8 +119,9 @@ class BodyGraphs:
         self.hidden[:size].copy_(body.last_hidden_state[0])
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph | None:
-        # a row of one sequence of `size` tokens to capture with (the contents are the next replay's, not baked in)
-        self.positions[:size].copy_(torch.arange(size, device=self.ids.device))
+        # a row of one sequence of `size` tokens to capture with (the contents are the next replay's, not baked in;
+        # positions 0, valid for any model, as any a real row leaves behind for the filler)
+        self.positions[:size].zero_()
         self.cu[: size + 2].fill_(size)
         self.cu[0] = 0
         attn = self.model.config._attn_implementation
