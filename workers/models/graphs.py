@@ -143,6 +143,7 @@ class BodyGraphs:
         finally:
             self.model.config._attn_implementation = attn
         self.graphs[size] = graph
+        torch.cuda.empty_cache()  # (the warm-up's activations, cached for the side stream, which nothing else uses)
         return graph
 
 
