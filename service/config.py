@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
                                           "sharing at least this many first tokens compute them once (null: never)")
+    cuda_graphs: bool = Field(True, description="on CUDA, a forward's body replays a CUDA graph captured at start-up "
+                              "for its row length (a few seconds; memory for one forward's activations): launching "
+                              "it costs the host ~5 ms instead of ~30 (issue 36's measurements in BENCHMARKS.md)")
     max_top_k: int = Field(64, ge=0, le=MAX_TOP_K, description="the largest top_k a request may ask for (up to "
                            f"{MAX_TOP_K}; each entry of k costs about 16 bytes a token as JSON)")
     max_token_ids: int = Field(MAX_TOKEN_IDS, ge=0, description="candidate ids in one list of a request's token_ids")

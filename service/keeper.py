@@ -28,13 +28,14 @@ def pool_spec(settings: Settings, path: str) -> dict:
     return dict(path=path, workers=settings.workers_per_model, gpus_per_worker=settings.gpus_per_worker,
                 max_tokens_per_batch=settings.max_tokens_per_batch, resources=settings.worker_resources,
                 max_restarts=settings.max_restarts, dtype=settings.dtype, backend=settings.backend,
-                min_shared_prefix=settings.min_shared_prefix)
+                min_shared_prefix=settings.min_shared_prefix, cuda_graphs=settings.cuda_graphs)
 
 
 def _load_options(settings: Settings) -> dict:
     """What the pool's workers load their model with (a dtype by its name, as Settings checked it and load_model
     reads it)."""
-    options: dict = dict(backend=settings.backend, min_shared_prefix=settings.min_shared_prefix)
+    options: dict = dict(backend=settings.backend, min_shared_prefix=settings.min_shared_prefix,
+                         cuda_graphs=settings.cuda_graphs)
     if settings.dtype:
         options["dtype"] = settings.dtype
     return options
