@@ -252,6 +252,10 @@ def main() -> None:
                 if mode == "fast":
                     fast(model, backend)
                 for r in row_sizes:
+                    if mode == "invariant":  # (the default's CUDA graphs against none, in the same run)
+                        worker = LogProbWorker(model, max_tokens_per_batch=r, cuda_graphs=False)
+                        s, p = timed(lambda w=worker: w.score(lists, score_from=prompt), device, reps)
+                        record("mixed", f"worker, rows of {r} ({mode}), no CUDA graphs", real, s, p)
                     worker = LogProbWorker(model, max_tokens_per_batch=r)
                     s, p = timed(lambda w=worker: w.score(lists, score_from=prompt), device, reps)
                     worker.stats["rows"] = 0
