@@ -26,7 +26,9 @@ CASES = {  # name: (sequence lengths, query heads, key-value heads, head size)
     "8 x 4096, Qwen2.5-7B heads": ([4096] * 8, 28, 4, 128),
 }
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3),
-         (64, 64, 4, 3), (64, 128, 4, 3)]
+         (64, 64, 4, 3), (64, 128, 4, 3),
+         # fused: scale and max in one FMA, the mask after exp2 (causal_attention._key_block)
+         (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True)]
 
 
 def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
@@ -56,6 +58,19 @@ def after_gemm_ms(fn, x, w, cuda: bool, n: int = 50) -> float:
         torch.cuda.synchronize()
         times = [start.elapsed_time(end) for start, end in times]
     return float(np.median(times[-n:]))
+
+
+def suffix_bits_differ(q, k, v, n: int, d: int, tiles) -> int:
+    """Queries of the row's first sequence (n tokens) whose output bits differ between the sequence scored whole and
+    as a suffix after its first c keys, for c in 1, n / 3, n - 1 (query tiles starting elsewhere: other blocks masked),
+    with this tiling: what a tiling must keep for shared prefixes (0)."""
+    seg = lambda *bounds: torch.tensor(bounds, dtype=torch.int32, device=q.device)  # noqa: E731
+    whole = ca._launch(q[:n], k[:n], v[:n], seg(0, n), seg(0, n), n, d**-0.5, None, tiles)[0]
+    differ = 0
+    for cut in (1, n // 3, n - 1):
+        part = ca._launch(q[cut:n], k[:n], v[:n], seg(0, n - cut), seg(0, n), n - cut, d**-0.5, None, tiles)[0]
+        differ += int((part != whole[cut:]).any(-1).any(-1).sum())
+    return differ
 
 
 def sm_clock_mhz() -> int | None:
@@ -90,10 +105,12 @@ def main() -> None:
             return ca._launch(q, k, v, cu, cu, longest, d**-0.5, None, tiles)[0]
 
         if args.sweep:
-            for tiles in [ca._tiles(d, dtype)] + ([ca.Tiles(*c) for c in SWEEP] if cuda else []):
+            fused = ca._tiles(d, dtype)._replace(fused=True)  # (a CPU dry run: the default and its fused form)
+            for tiles in [ca._tiles(d, dtype)] + ([ca.Tiles(*c) for c in SWEEP] if cuda else [fused]):
                 try:
                     ms = time_ms(lambda tiles=tiles: ours(tiles))
-                    print(f"{name}: {tiles} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+                    print(f"{name}: {tiles} {ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s, queries whose bits differ "
+                          f"as suffixes: {suffix_bits_differ(q, k, v, lengths[0], d, tiles)}", flush=True)
                 except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
                     print(f"{name}: {tiles} {type(err).__name__}: {str(err)[:100]}", flush=True)
             return

@@ -35,6 +35,7 @@ class Tiles(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    fused: bool = False  # scale and max subtracted in one FMA, the mask applied after exp2 (see _key_block)
 
 
 def _tiles(head: int, dtype: torch.dtype) -> Tiles:
@@ -51,7 +52,7 @@ def _tiles(head: int, dtype: torch.dtype) -> Tiles:
 @triton.jit
 def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_k, stride_v,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
     """The online softmax over keys n .. n + BLOCK_N - 1 of the segment; masked: causal (pos: the queries' positions
     among the keys), the segment's end and the window."""
     keys = n + tl.arange(0, BLOCK_N)
@@ -60,14 +61,24 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
     if MASKED:
         inside = inside & (keys < n_k)[:, None]
     k = tl.load(k_at + keys[:, None].to(tl.int64) * stride_k + d[None, :], mask=inside, other=0.0)
-    s = _dot(q, k.T, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION) * scale
+    s = _dot(q, k.T, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION)
     if MASKED:
         allowed = (keys[None, :] <= pos[:, None]) & (keys < n_k)[None, :]
         if WINDOW:
             allowed = allowed & (pos[:, None] - keys[None, :] < window)
-        s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
+    if FUSED:  # an allowed key's terms are those of a whole block: max(s) * scale, then exp2(fma(s, scale, -max))
+        if MASKED:
+            m_new = tl.maximum(m_i, tl.max(tl.where(allowed, s, float("-inf")), 1) * scale)
+            p = tl.where(allowed, tl.math.exp2(s * scale - m_new[:, None]), 0.0)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+            p = tl.math.exp2(s * scale - m_new[:, None])
+    else:
+        s = s * scale
+        if MASKED:
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_at + keys[:, None].to(tl.int64) * stride_v + d[None, :], mask=inside, other=0.0)
@@ -79,7 +90,7 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
 def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, head, scale, window, group,
                  total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
     """Queries block * BLOCK_M .. + BLOCK_M - 1 of a segment, one head (nothing where the segment is shorter)."""
     q0 = tl.load(cu_q + segment)
     n_q = tl.load(cu_q + segment + 1) - q0
@@ -109,10 +120,10 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
             whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
         for n in range(start, whole, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
-                                       stride_vt, D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION)
+                                       stride_vt, D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION, FUSED)
         for n in range(whole, end, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
-                                       stride_vt, D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION)
+                                       stride_vt, D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION, FUSED)
         out = acc / l_i[:, None]
         tl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (d < D)[None, :])
@@ -124,12 +135,12 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
     segment = tl.program_id(0) // q_blocks  # (one grid axis: more segments than the 65535 of a second)
     block = q_blocks - 1 - tl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
     _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, tl.program_id(1), scale, window,
                  group, total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                 stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D, WINDOW, DOT_PRECISION)
+                 stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D, WINDOW, DOT_PRECISION, FUSED)
 
 
 @triton.jit
@@ -137,7 +148,7 @@ def _scheduled_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_
                                 tile_count, scale, window, group, heads, total_q, stride_qt, stride_qh, stride_kt,
                                 stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
     """The same tiles from a schedule on the device (see Schedule), each program taking every num_programs-th
     (tile, head): a grid that does not depend on the row's segments, as a CUDA graph needs."""
     for t in range(tl.program_id(0), tl.load(tile_count) * heads, tl.num_programs(0)):
@@ -145,7 +156,7 @@ def _scheduled_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_
         _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, tl.load(tile_segment + tile),
                      tl.load(tile_block + tile), t % heads, scale, window, group, total_q, stride_qt, stride_qh,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D,
-                     WINDOW, DOT_PRECISION)
+                     WINDOW, DOT_PRECISION, FUSED)
 
 
 class Schedule(NamedTuple):
@@ -183,10 +194,10 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1])
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
                out.stride(1))
-    # (BLOCK_D: dots take 16 or more; no FMAs: masked blocks round as whole ones)
+    # (BLOCK_D: dots take 16 or more; FMAs only where written so that masked blocks round as whole ones: `fused`)
     sizes = dict(D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-                 WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), num_warps=tiles.num_warps,
-                 num_stages=tiles.num_stages, enable_fp_fusion=False)
+                 WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), FUSED=tiles.fused,
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=tiles.fused)
     if plan is None:
         q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
         _attention_kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](

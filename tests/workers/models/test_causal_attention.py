@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from ppo_logprobs.workers.models.causal_attention import _launch, block_m, causal_attention, schedule
+from ppo_logprobs.workers.models.causal_attention import _launch, _tiles, block_m, causal_attention, schedule
 
 from ..head.reference import assert_same_bits
 
@@ -72,21 +72,31 @@ def test_head_sizes(head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 7])
-def test_a_querys_bits_are_its_own(dtype, window):
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_querys_bits_are_its_own(dtype, window, fused):
     """A sequence of 45 keys scored whole, in a row with other segments, and as suffixes of 40, 29 and 1 queries after
     its first 5, 16 and 44 keys (query tiles starting elsewhere, more masked blocks and fewer whole ones, blocks a
-    query sees nothing of): every query has the same bits each time. On CUDA (tiles of 128 x 64) all sizes x 8."""
+    query sees nothing of): every query has the same bits each time. On CUDA (tiles of 128 x 64) all sizes x 8.
+    `fused`: the tiling with scale and max in one FMA and the mask after exp2 (bench_attention.py --sweep tries it),
+    also within the oracle's tolerance."""
     x8 = 8 if DEVICE == "cuda" else 1
     n, window = 45 * x8, window and window * x8
     q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype)
-    whole = causal_attention(q, k, v, cu_q, cu_k, n, n, None, window)
+    tiles = _tiles(HEAD_DIM, dtype)._replace(fused=fused)
+
+    def attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+        return _launch(q, k, v, cu_q, cu_k, max_q, scale or HEAD_DIM**-0.5, window, tiles)[0]
+
+    whole = attention(q, k, v, cu_q, cu_k, n, n, None, window)
+    atol = 2e-6 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(whole.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=atol)
     a, b = 30 * x8, 3 * x8
     others = segments((a, b), (a, b), seed=3, dtype=dtype)
     for cut in (0, 5 * x8, 16 * x8, 44 * x8):
         row = [torch.cat([others[i][:a], x, others[i][a:]]) for i, x in enumerate((q[cut:], k, v))]
         cu_q2 = torch.tensor([0, a, a + n - cut, a + b + n - cut], dtype=torch.int32, device=DEVICE)
         cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
-        out = causal_attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
+        out = attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
         assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
 
 
