@@ -27,8 +27,11 @@ CASES = {  # name: (sequence lengths, query heads, key-value heads, head size)
 }
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3),
          (64, 64, 4, 3), (64, 128, 4, 3),
-         # fused: scale and max in one FMA, the mask after exp2 (causal_attention._key_block)
-         (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True)]
+         # fused: scale and max in one FMA, the mask after exp2 (causal_attention._key_block); then keys and values
+         # read as tensor descriptors (the copy engine)
+         (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
+         (128, 64, 8, 3, False, True), (128, 64, 8, 3, True, True), (128, 128, 8, 2, True, True),
+         (128, 128, 8, 3, True, True), (128, 64, 8, 4, True, True)]
 
 
 def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
@@ -105,7 +108,7 @@ def main() -> None:
             return ca._launch(q, k, v, cu, cu, longest, d**-0.5, None, tiles)[0]
 
         if args.sweep:
-            fused = ca._tiles(d, dtype)._replace(fused=True)  # (a CPU dry run: the default and its fused form)
+            fused = ca._tiles(d, dtype)._replace(fused=True, tma=True)  # (a CPU dry run: the default, and fused)
             for tiles in [ca._tiles(d, dtype)] + ([ca.Tiles(*c) for c in SWEEP] if cuda else [fused]):
                 try:
                     ms = time_ms(lambda tiles=tiles: ours(tiles))

@@ -5,7 +5,8 @@ Hopper, does not spill, and what it adds to the first pass's tile loop. Its epil
 cores: on an H100, the top-k statistics of stop 55 (1,465 instructions more than before) cost top-1 about 2 ms of a
 65 ms call.
 
-  python benchmarks/compile_sm90.py      # the first pass, then the combine at k = 20, 64, 128, 256 as launched
+  python benchmarks/compile_sm90.py      # the first pass, the combine at k = 20, 64, 128, 256 as launched, then
+                                         # the attention kernel at its tiling and two the sweep tries
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ppo_logprobs.workers.head import triton_log_probs_forward as forward  # noqa: E402
+from ppo_logprobs.workers.models import causal_attention as attn  # noqa: E402
 
 I64 = {"labels_ptr", "pair_keys_ptr", "tile_key_ptr", "top_tiles_ptr", "top_ids_ptr", "candidates_ptr"}
 I32 = {"pair_count_ptr", "tile_second_ptr"}
@@ -37,10 +39,11 @@ def ptxas() -> str:
     return newest if os.path.exists(newest) else os.path.join(bin_dir, "ptxas")
 
 
-def _build(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3) -> tuple[list[str], int]:
+def _build(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3, attrs: dict | None = None,
+           fusion: bool = True) -> tuple[list[str], int]:
     """ptxas's report (registers, spills) and the machine code's instruction count."""
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fusion))
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -83,8 +86,27 @@ def combine(k: int) -> str:
     return f"k = {k:3d} (TOP_K {width}, {block} rows a program): " + "; ".join(said)
 
 
+def attention(tiles: attn.Tiles) -> str:
+    """The causal attention kernel at head size 128, bf16, with this tiling; its loads are pipelined (cp.async) or
+    read by the copy engine (TMA) only where Triton can prove the pointers' alignment, given here as launches give it."""
+    fn = attn._attention_kernel
+    const = dict(D=128, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=128, WINDOW=False,
+                 DOT_PRECISION="tf32", FUSED=tiles.fused, TMA=tiles.tma)
+    given = {"k_ptr", "v_ptr"} if tiles.tma else set()
+    sig = {n: "constexpr" if n in const else f"tensordesc<bf16[{tiles.block_n},128]>" if n in given
+           else "fp32" if n == "scale" else "*i32" if n.startswith("cu_") else "*fp32" if n == "lse_ptr"
+           else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n not in given and (n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n == "total_q")}
+    said, instructions = _build(fn, sig, const, tiles.num_warps, tiles.num_stages, aligned, fusion=tiles.fused)
+    return f"attention {tuple(tiles)}: {instructions} instructions; " + "; ".join(said)
+
+
 if __name__ == "__main__":
     for tile_stats in (False, True):
         print(first_pass(tile_stats), flush=True)
     for k in (20, 64, 128, 256):
         print(combine(k), flush=True)
+    for tiles in (attn._tiles(128, torch.bfloat16), attn.Tiles(128, 64, 8, 3, True, True),
+                  attn.Tiles(128, 128, 8, 2, True, True)):
+        print(attention(tiles), flush=True)

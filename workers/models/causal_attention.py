@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting, persistent_programs
 
@@ -36,6 +37,7 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     fused: bool = False  # scale and max subtracted in one FMA, the mask applied after exp2 (see _key_block)
+    tma: bool = False  # keys and values read by the copy engine (Hopper and later; see _launch)
 
 
 def _tiles(head: int, dtype: torch.dtype) -> Tiles:
@@ -50,17 +52,22 @@ def _tiles(head: int, dtype: torch.dtype) -> Tiles:
 
 
 @triton.jit
-def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_k, stride_v,
+def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_k, stride_v, row, col,
                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
+               WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr):
     """The online softmax over keys n .. n + BLOCK_N - 1 of the segment; masked: causal (pos: the queries' positions
-    among the keys), the segment's end and the window."""
+    among the keys), the segment's end and the window. With TMA, k_at and v_at are descriptors of the [keys, heads x
+    D] matrices and the segment's keys start at their row `row`, its head's elements at column `col`: rows past the
+    segment (the next one's) are read too and masked like any other key, columns past D are multiplied by zeros."""
     keys = n + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     inside = (d < D)[None, :]
     if MASKED:
         inside = inside & (keys < n_k)[:, None]
-    k = tl.load(k_at + keys[:, None].to(tl.int64) * stride_k + d[None, :], mask=inside, other=0.0)
+    if TMA:
+        k = k_at.load([row + n, col])
+    else:
+        k = tl.load(k_at + keys[:, None].to(tl.int64) * stride_k + d[None, :], mask=inside, other=0.0)
     s = _dot(q, k.T, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), DOT_PRECISION)
     if MASKED:
         allowed = (keys[None, :] <= pos[:, None]) & (keys < n_k)[None, :]
@@ -81,7 +88,10 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
         p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_at + keys[:, None].to(tl.int64) * stride_v + d[None, :], mask=inside, other=0.0)
+    if TMA:
+        v = v_at.load([row + n, col])
+    else:
+        v = tl.load(v_at + keys[:, None].to(tl.int64) * stride_v + d[None, :], mask=inside, other=0.0)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -90,7 +100,7 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
 def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, head, scale, window, group,
                  total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
+                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr):
     """Queries block * BLOCK_M .. + BLOCK_M - 1 of a segment, one head (nothing where the segment is shorter)."""
     q0 = tl.load(cu_q + segment)
     n_q = tl.load(cu_q + segment + 1) - q0
@@ -105,8 +115,11 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
         at = (q0 + rows).to(tl.int64)
         q = tl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :],
                     mask=row_ok[:, None] & (d < D)[None, :], other=0.0)
-        k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
-        v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
+        if TMA:
+            k_at, v_at = k_ptr, v_ptr
+        else:
+            k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
+            v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
         pos = before + rows
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -120,10 +133,12 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
             whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
         for n in range(start, whole, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
-                                       stride_vt, D, BLOCK_N, BLOCK_D, False, WINDOW, DOT_PRECISION, FUSED)
+                                       stride_vt, k0, (head // group) * D, D, BLOCK_N, BLOCK_D, False, WINDOW,
+                                       DOT_PRECISION, FUSED, TMA)
         for n in range(whole, end, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
-                                       stride_vt, D, BLOCK_N, BLOCK_D, True, WINDOW, DOT_PRECISION, FUSED)
+                                       stride_vt, k0, (head // group) * D, D, BLOCK_N, BLOCK_D, True, WINDOW,
+                                       DOT_PRECISION, FUSED, TMA)
         out = acc / l_i[:, None]
         tl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (d < D)[None, :])
@@ -135,12 +150,12 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
 def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
+                      WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr):
     segment = tl.program_id(0) // q_blocks  # (one grid axis: more segments than the 65535 of a second)
     block = q_blocks - 1 - tl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
     _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, tl.program_id(1), scale, window,
                  group, total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
-                 stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D, WINDOW, DOT_PRECISION, FUSED)
+                 stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D, WINDOW, DOT_PRECISION, FUSED, TMA)
 
 
 @triton.jit
@@ -148,7 +163,8 @@ def _scheduled_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_
                                 tile_count, scale, window, group, heads, total_q, stride_qt, stride_qh, stride_kt,
                                 stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr):
+                                WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr,
+                                TMA: tl.constexpr):
     """The same tiles from a schedule on the device (see Schedule), each program taking every num_programs-th
     (tile, head): a grid that does not depend on the row's segments, as a CUDA graph needs."""
     for t in range(tl.program_id(0), tl.load(tile_count) * heads, tl.num_programs(0)):
@@ -156,7 +172,7 @@ def _scheduled_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_
         _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, tl.load(tile_segment + tile),
                      tl.load(tile_block + tile), t % heads, scale, window, group, total_q, stride_qt, stride_qh,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, D, BLOCK_M, BLOCK_N, BLOCK_D,
-                     WINDOW, DOT_PRECISION, FUSED)
+                     WINDOW, DOT_PRECISION, FUSED, TMA)
 
 
 class Schedule(NamedTuple):
@@ -197,15 +213,21 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
     # (BLOCK_D: dots take 16 or more; FMAs only where written so that masked blocks round as whole ones: `fused`)
     sizes = dict(D=d, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
                  WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), FUSED=tiles.fused,
+                 TMA=tiles.tma and all(x.stride(1) == d and x.stride(0) * x.element_size() % 16 == 0
+                                       and x.data_ptr() % 16 == 0 for x in (k, v)),
                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=tiles.fused)
+    keys, values = k, v
+    if sizes["TMA"]:  # [keys, heads x D] each, read BLOCK_N x BLOCK_D at a time
+        keys, values = (TensorDescriptor.from_tensor(x.view(x.shape[0], -1), [tiles.block_n, sizes["BLOCK_D"]])
+                        for x in (k, v))
     if plan is None:
         q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
         _attention_kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
-            q, k, v, out, lse, cu_q, cu_k, *common, q_blocks, t, *strides, **sizes)
+            q, keys, values, out, lse, cu_q, cu_k, *common, q_blocks, t, *strides, **sizes)
     else:
         programs = min(persistent_programs(q.device), plan.segment.shape[0] * heads)
         _scheduled_attention_kernel[(programs,)](
-            q, k, v, out, lse, cu_q, cu_k, *plan, *common, heads, t, *strides, **sizes)
+            q, keys, values, out, lse, cu_q, cu_k, *plan, *common, heads, t, *strides, **sizes)
     return out, lse
 
 

@@ -77,12 +77,12 @@ def test_a_querys_bits_are_its_own(dtype, window, fused):
     """A sequence of 45 keys scored whole, in a row with other segments, and as suffixes of 40, 29 and 1 queries after
     its first 5, 16 and 44 keys (query tiles starting elsewhere, more masked blocks and fewer whole ones, blocks a
     query sees nothing of): every query has the same bits each time. On CUDA (tiles of 128 x 64) all sizes x 8.
-    `fused`: the tiling with scale and max in one FMA and the mask after exp2 (bench_attention.py --sweep tries it),
-    also within the oracle's tolerance."""
+    `fused`: the tiling with scale and max in one FMA and the mask after exp2, its keys and values read as tensor
+    descriptors (bench_attention.py --sweep tries them), also within the oracle's tolerance."""
     x8 = 8 if DEVICE == "cuda" else 1
     n, window = 45 * x8, window and window * x8
     q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype)
-    tiles = _tiles(HEAD_DIM, dtype)._replace(fused=fused)
+    tiles = _tiles(HEAD_DIM, dtype)._replace(fused=fused, tma=fused)
 
     def attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
         return _launch(q, k, v, cu_q, cu_k, max_q, scale or HEAD_DIM**-0.5, window, tiles)[0]
