@@ -221,6 +221,8 @@ class LogProbWorker:
             min_shared_prefix=self.min_shared_prefix,
             pid=os.getpid(),
             scoring=self.scoring,
+            cuda_graphs=len(self.graphs.graphs) if self.graphs else 0,  # (captured: models/graphs.py)
+            graph_replays=self.graphs.replays if self.graphs else 0,
             **self.stats,
         )
 
