@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 13 on one H200: the CUDA tests of the model layer, the GEMM/RMSNorm row-count probe, the model benchmark
 # (fixed and mixed lengths), and the invariance study on a random Qwen2.5-7B-shaped checkpoint. STAGES picks some of
-# "tests probe model invariance profile" (default: all). Logs and JSON go to $OUT.
+# "tests probe model invariance profile" (default: all), or "sweep": the attention kernel's tilings (bench_attention.py
+# --sweep: TFLOP/s and the queries whose bits differ as suffixes, for each). Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STAGES=${STAGES:-tests probe model invariance profile}
@@ -13,6 +14,9 @@ if [[ $STAGES == *tests* ]]; then
     tests/workers/models/test_silu_mul.py tests/workers/models/test_rotary.py 2>&1 | tee -a "$OUT/tests.log" | tail -3
 fi
 cd benchmarks
+if [[ $STAGES == *sweep* ]]; then
+  timeout 300 python3 bench_attention.py --sweep 2>&1 | tee "$OUT/sweep.log" | grep -v -i warn
+fi
 if [[ $STAGES == *probe* ]]; then
   timeout 200 python3 bench_invariance.py --probe --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -v -i warn
 fi
