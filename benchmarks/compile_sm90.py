@@ -88,7 +88,7 @@ def combine(k: int) -> str:
 
 def attention(tiles: attn.Tiles) -> str:
     """The causal attention kernel at head size 128, bf16, with this tiling; its loads are pipelined (cp.async) or
-    read by the copy engine (TMA) only where Triton can prove the pointers' alignment, given here as launches give it."""
+    read by the copy engine (TMA) only where Triton can prove the pointers' alignment, given here as launches do."""
     fn = attn._attention_kernel
     const = dict(D=128, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=128, WINDOW=False,
                  DOT_PRECISION="tf32", FUSED=tiles.fused, TMA=tiles.tma)

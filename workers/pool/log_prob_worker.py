@@ -123,7 +123,7 @@ class LogProbWorker:
     WeightOwner.restore_spec and `restored`). `keep_dir`, `keep_streams`, `on_kept`: the holder's local copy.
     `room`: wraps each forward, given its cost in tokens (a tensor-parallel worker's ranks agree on memory there).
     `cuda_graphs`: the body of a forward replayed from CUDA graphs where it can be (models/graphs.py; a forward of a
-    few thousand tokens launches in ~1 ms instead of ~30), captured at start-up.
+    few thousand tokens launches in ~5 ms instead of ~30), captured at start-up.
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class LogProbWorker:
         """Compiles the Triton kernels (head, norms, rotary, MLP, attention) at start-up, not in the first requests'
         time: a packed row of two short sequences, then (with weights) requests as they come, with and without
         entropy, whose token and scored counts are and are not multiples of 16 (Triton compiles for each) and one
-        scored entry, beside a group sharing a prompt."""
+        scored entry, beside a group sharing a prompt; then the body's CUDA graphs, one per bucket of row length."""
         ids = torch.zeros(1, 64, dtype=torch.long, device=self.device)
         positions = torch.arange(32, device=self.device).repeat(2)[None]
         for entropy in (True, False):
