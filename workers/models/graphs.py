@@ -148,12 +148,10 @@ class BodyGraphs:
 
 
 def use_graphs(model: nn.Module, limit: int) -> BodyGraphs | None:
-    """Gives this patched model graphs of its body for rows up to `limit` tokens, where it can have them (else
-    None, logged)."""
+    """Graphs of this patched model's body for rows up to `limit` tokens, where it can have them (else None,
+    logged): the model's forward takes them as `body_graphs`."""
     why = capturable(model)
     if why is not None:
         log.info("the body of %s runs without CUDA graphs: %s", type(model).__name__, why)
-        model.body_graphs = None
         return None
-    model.body_graphs = BodyGraphs(model, limit)
-    return model.body_graphs
+    return BodyGraphs(model, limit)

@@ -12,7 +12,8 @@ attention it takes) every call becomes one row of its real tokens, whatever its 
 1024 tokens or more run flex_attention on CUDA (it skips masked blocks) and other calls the model's own attention.
 A row may instead be laid out in `pieces` (shared prefixes, workers/prefixes.py): one row of tokens at their own
 positions, each piece attending to the keys its plan gives it, with `scored`, `scored_labels` and
-`scored_temperature` ([N] each) saying what the head scores.
+`scored_temperature` ([N] each) saying what the head scores. `body_graphs` (graphs.py, a worker's): such a row without
+shared keys replays its body from a CUDA graph, with the same results.
 The body's norms, MLPs and attention blocks get fused forwards (fuse_body.py). No [B, T, V] logits are made. Only
 the instance and its modules are patched (`types.MethodType`); no class is touched.
 """
@@ -35,6 +36,7 @@ from ..head import Backend, fused_log_probs
 from ..sharding import held_shard
 from . import varlen_attention
 from .fuse_body import fuse_body
+from .graphs import BodyGraphs
 
 _IGNORE = -100
 
@@ -151,6 +153,7 @@ def _forward_for_ppo(
     scored_temperature: Tensor | None = None,
     top_k: int = 0,
     token_ids: Tensor | None = None,
+    body_graphs: BodyGraphs | None = None,
     *,
     backend: Backend,
     softcap: float | None,
@@ -181,7 +184,8 @@ def _forward_for_ppo(
     if pieces is not None and how == "flex":
         raise ValueError("rows laid out in pieces (shared prefixes) need varlen attention (or the CPU), not flex")
     if how == "varlen" or pieces is not None:
-        hidden, row_of = _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs, pieces)
+        hidden, row_of = _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs, pieces,
+                                       body_graphs)
         body = None
     else:
         body = _model_body(self, input_ids, attention_mask, position_ids, segments, how, kwargs)
@@ -251,7 +255,8 @@ def _model_body(self, input_ids, attention_mask, position_ids, segments, how, kw
 
 
 def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwargs,
-                  pieces: varlen_attention.Pieces | None = None) -> tuple[Tensor, Tensor | None]:
+                  pieces: varlen_attention.Pieces | None = None,
+                  graphs: BodyGraphs | None = None) -> tuple[Tensor, Tensor | None]:
     """The body over one packed row of the call's real tokens, attending through varlen attention: whatever the
     layout (padded, packed, one sequence, pieces of shared prefixes), a sequence meets the same kernels. Rows below
     `min_tokens` get a trailing sequence of filler so that every GEMM sees at least that many rows. Returns (hidden
@@ -263,7 +268,7 @@ def _one_row_body(self, input_ids, attention_mask, position_ids, min_tokens, kwa
         keep, positions, begins = varlen_attention.one_row(input_ids, attention_mask, position_ids)
     ids = input_ids.reshape(-1) if keep is None else input_ids.reshape(-1)[keep]  # [R]
     real, least = ids.shape[0], max(min_tokens, 1)  # (a call of padding only still runs one row)
-    graphs = getattr(self, "body_graphs", None)  # (graphs.py: a row in pieces without shared keys, no gradient)
+    # a row in pieces without shared keys and without a gradient replays its bucket's graph (graphs.py)
     if (graphs is not None and pieces is not None and pieces.keys is None and real >= 1 and set(kwargs) <= {"use_cache"}
             and not torch.is_grad_enabled()):
         hidden = graphs.body(ids, positions, pieces.cu_q)

@@ -164,7 +164,6 @@ class LogProbWorker:
         self.min_shared_prefix = min_shared_prefix if self.pieces else None
         # rows in pieces without shared keys replay the body as CUDA graphs (models/graphs.py), where it can be
         self.graphs = use_graphs(self.model, max_tokens_per_batch) if cuda and self.pieces and cuda_graphs else None
-        self.model.body_graphs = self.graphs  # (a model that another worker gave graphs runs without them here)
         self.stats = dict(calls=0, tokens=0, computed_tokens=0, rows=0, max_row_tokens=0, oom_splits=0)
         self.scoring = 0
         if cuda and held_shard(self.model) is None:  # (a rank warms up once in its group)
@@ -487,4 +486,5 @@ class LogProbWorker:
         return inputs, (plan.dst, plan.take, trees.shares()), trees.tokens
 
     def _forward(self, **inputs):
-        return self.model(**inputs, checked_inputs=True)  # (the request was validated where it came in)
+        # (the request was validated where it came in)
+        return self.model(**inputs, checked_inputs=True, body_graphs=self.graphs)
