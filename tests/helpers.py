@@ -1,6 +1,6 @@
 """Shared test helpers: random token sequences, the in-process model's own answer, other weights for the tiny
-model and their checkpoint, a free loopback port, a local Ray with the gateway served, a `ppo-logprobs serve`
-process waited for and stopped."""
+model and their checkpoint, a small patched model on CUDA, a free loopback port, a local Ray with the gateway
+served, a `ppo-logprobs serve` process waited for and stopped."""
 
 import contextlib
 import os
@@ -63,6 +63,20 @@ def perturbed(seed, device="cpu", **config):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, device=device) * 0.05)
     return model
+
+
+def small_cuda_model():
+    """A patched bf16 Qwen2 of 3 layers (heads of 64, grouped 4 to 1, vocabulary 4,099) on CUDA, seeded: where the
+    GPU tests look at bits through the body's kernels. Its invariant mode sets a process-wide cuBLAS setting, which
+    the caller turns back (allow_split_k(True))."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    return patch_model(model)
 
 
 def save(model, path, **kw) -> str:

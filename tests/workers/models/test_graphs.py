@@ -5,11 +5,11 @@ without), and after a weight update (a graph reads the parameters where they are
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from ppo_logprobs.workers import LogProbWorker, load_model, patch_model
+from ppo_logprobs.workers import LogProbWorker, load_model
 from ppo_logprobs.workers.models.graphs import MAX_BUCKET, MIN_BUCKET, buckets, capturable, use_graphs
 from ppo_logprobs.workers.models.patch_model import allow_split_k
+from tests.helpers import small_cuda_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -31,12 +31,7 @@ def test_a_body_that_cannot_be_captured_says_why():
 
 @pytest.fixture(scope="module")
 def model():
-    config = Qwen2Config(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    yield patch_model(model)
+    yield small_cuda_model()
     allow_split_k(True)  # the process-wide setting back for the tests that follow
 
 

@@ -5,22 +5,17 @@ results stay within bf16 noise of them."""
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
 from ppo_logprobs.workers.models.patch_model import allow_split_k
+from tests.helpers import small_cuda_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")
 def worker():
-    config = Qwen2Config(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-    yield LogProbWorker(patch_model(model), max_tokens_per_batch=4096)
+    yield LogProbWorker(small_cuda_model(), max_tokens_per_batch=4096)
     allow_split_k(True)  # the process-wide setting back for the tests that follow
 
 
