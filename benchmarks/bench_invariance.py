@@ -258,11 +258,23 @@ def attention_probe(device: str) -> dict:
     return report
 
 
-def in_memory(name: str, cuda: bool) -> torch.nn.Module:
-    """The qwen3-30b-a3b shape (the tiny config off CUDA) with random weights, the same in every process."""
-    from bench_moe import QWEN3_30B_A3B, TINY, build
+IN_MEMORY = ("qwen3-30b-a3b", "qwen2.5-7b")  # shapes built with random weights instead of loaded
 
-    return build(QWEN3_30B_A3B if cuda else TINY, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+
+def in_memory(name: str, cuda: bool) -> torch.nn.Module:
+    """That shape (a tiny config of its kind off CUDA) with random weights, the same in every process."""
+    import bench_model
+    import bench_moe
+
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if name == "qwen3-30b-a3b":
+        return bench_moe.build(bench_moe.QWEN3_30B_A3B if cuda else bench_moe.TINY, device, dtype)
+    model = bench_model.build(bench_model.QWEN25_7B if cuda else bench_model.TINY, device, dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model
 
 
 def by_other_process(model: str, seqs: list, budget: int, order: np.ndarray, options: dict) -> list:
@@ -296,7 +308,7 @@ def child(model: str, tmp: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny",
-                        help="a checkpoint, 'tiny', or 'qwen3-30b-a3b' (that MoE shape, random bf16, built in memory)")
+                        help="a checkpoint, 'tiny', or 'qwen3-30b-a3b' / 'qwen2.5-7b' (random bf16, built in memory)")
     parser.add_argument("--modes", default="invariant,fast,hf", help="comma-separated: invariant,fast,hf (HF bodies)")
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
@@ -307,7 +319,7 @@ def main() -> None:
     if args.child:
         child(args.model, args.child)
         return
-    if args.pool and args.model == "qwen3-30b-a3b":
+    if args.pool and args.model in IN_MEMORY:
         parser.error("--pool loads the model in each worker: give a checkpoint")
     cuda = torch.cuda.is_available()
     out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
@@ -317,7 +329,7 @@ def main() -> None:
     else:
         options = dict(dtype=torch.bfloat16) if cuda else dict(backend="torch")
         model = args.model
-        if args.model == "qwen3-30b-a3b":  # (no checkpoint on disk: 61 GB)
+        if args.model in IN_MEMORY:  # (no checkpoint on disk: 15 and 61 GB)
             model = in_memory(args.model, cuda)
             options = {} if cuda else dict(backend="torch")
         lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
@@ -346,7 +358,7 @@ def main() -> None:
             modes[label]["results"]["shared prefixes (GRPO groups)"] = shared_study(worker.model, vocab, label, cuda)
         patch_model(worker.model, backend=backend)
         out["modes"] = {k: v["results"] for k, v in modes.items()}
-        if args.model == "qwen3-30b-a3b" and "invariant" in modes:  # (a pool would need a checkpoint)
+        if args.model in IN_MEMORY and "invariant" in modes:  # (a pool would need a checkpoint)
             reference = modes["invariant"]["alone"]
             del worker, model
             gc.collect()  # (the patched forward holds its model in a cycle)

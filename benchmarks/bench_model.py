@@ -10,6 +10,7 @@ peak memory beyond the model.
 
   python benchmarks/bench_model.py --out model.json     # Qwen2.5-7B shape, random bf16 weights, on CUDA
   python benchmarks/bench_model.py --tiny               # a dry run of every path on the CPU, tiny config
+  python benchmarks/bench_model.py --skip-fixed --skip-mixed --long 32768 65536 131072   # long context alone
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--worker-only", action="store_true", help="of the mixed cases, only LogProbWorker's")
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
+    parser.add_argument("--long", type=int, nargs="*", default=[],
+                        help="also one sequence of each of these lengths through LogProbWorker at its defaults")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
     args = parser.parse_args()
@@ -266,6 +269,13 @@ def main() -> None:
                         s, p = timed(lambda w=worker, k=k: w.score(lists, score_from=prompt, top_k=k), device, reps)
                         record("mixed", f"worker, rows of {r} ({mode}), top-{k}", real, s, p, vs_plain=s / plain_s)
             patch_model(model, backend=backend)
+
+        if args.long:  # long context: one sequence a call, at the worker's defaults (one forward of its length)
+            worker = LogProbWorker(model)
+            for n in args.long:
+                seq = torch.randint(0, vocab, (n,), generator=g).tolist()
+                s, p = timed(lambda w=worker, seq=seq: w.score([seq]), device, 1)
+                record("long", f"worker, one sequence of {n}", n, s, p)
 
     if args.out:
         with open(args.out, "w") as f:

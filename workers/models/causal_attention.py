@@ -9,7 +9,8 @@ from a schedule computed on the device (`schedule`), each tile computed as the p
 
 A query's output depends only on its own segment: the key blocks it sums are aligned to the segment, not to the
 row, and do not change with the other segments or where the segment sits. Whether a block is masked changes no
-bits of an allowed key's terms (the arithmetic is the same and unfused; a key masked out adds exact zeros, and a
+bits of an allowed key's terms (a block's max is taken over its allowed keys, each term is computed as in a whole
+block: in the fused tiling one FMA, with the mask applied after exp2; a key masked out adds exact zeros, and a
 query's running max starts finite, so a block it sees nothing of changes nothing), so a suffix scored after a
 shared prefix gets the bits it gets alone. torch's FlashAttention kernel is invariant too but slower on Hopper
 (bench_attention.py); its backward takes our output and log-sum-exp, in its layout ([H, total_q], natural log).
@@ -46,9 +47,9 @@ def _tiles(head: int, dtype: torch.dtype) -> Tiles:
         return Tiles(16, 16, 4, 1)
     if dtype == torch.float32:
         return Tiles(64, 32, 4, 2)
-    # bf16 on an H200 (bench_attention.py --sweep, 8 x 4096 tokens, 32 query and 4 key-value heads of 128): 128 x 64,
-    # 8 warps, 3 stages, 400 TFLOP/s (128 x 128 ran at 416, not yet measured in the model or the invariance study)
-    return Tiles(128, 64, 8, 3) if head > 64 else Tiles(128, 64, 4, 3)
+    # bf16 on an H100 (bench_attention.py --sweep, 8 x 4096 tokens, 32 query and 4 key-value heads of 128): 128 x 128,
+    # 8 warps, 3 stages, fused: 445 TFLOP/s; 128 x 64 unfused (the default before) 405; with TMA 447 (Hopper only)
+    return Tiles(128, 128, 8, 3, fused=True) if head > 64 else Tiles(128, 64, 4, 3)
 
 
 @triton.jit

@@ -76,28 +76,31 @@ def test_head_sizes(head_dim):
 def test_a_querys_bits_are_its_own(dtype, window, fused):
     """A sequence of 45 keys scored whole, in a row with other segments, and as suffixes of 40, 29 and 1 queries after
     its first 5, 16 and 44 keys (query tiles starting elsewhere, more masked blocks and fewer whole ones, blocks a
-    query sees nothing of): every query has the same bits each time. On CUDA (tiles of 128 x 64) all sizes x 8.
-    `fused`: the tiling with scale and max in one FMA and the mask after exp2, its keys and values read as tensor
-    descriptors (bench_attention.py --sweep tries them), also within the oracle's tolerance."""
+    query sees nothing of): every query has the same bits each time. On CUDA all sizes x 8, at heads of 24 (tiles of
+    128 x 64) and of 128 (128 x 128, the tiling of most models). `fused`: scale and max in one FMA and the mask
+    after exp2 (the default at heads over 64), its keys and values read as tensor descriptors here (bench_attention.py
+    --sweep tries both), and not fused; each within the oracle's tolerance."""
     x8 = 8 if DEVICE == "cuda" else 1
     n, window = 45 * x8, window and window * x8
-    q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype)
-    tiles = _tiles(HEAD_DIM, dtype)._replace(fused=fused, tma=fused)
-
-    def attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
-        return _launch(q, k, v, cu_q, cu_k, max_q, scale or HEAD_DIM**-0.5, window, tiles)[0]
-
-    whole = attention(q, k, v, cu_q, cu_k, n, n, None, window)
-    atol = 2e-6 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(whole.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=atol)
     a, b = 30 * x8, 3 * x8
-    others = segments((a, b), (a, b), seed=3, dtype=dtype)
-    for cut in (0, 5 * x8, 16 * x8, 44 * x8):
-        row = [torch.cat([others[i][:a], x, others[i][a:]]) for i, x in enumerate((q[cut:], k, v))]
-        cu_q2 = torch.tensor([0, a, a + n - cut, a + b + n - cut], dtype=torch.int32, device=DEVICE)
-        cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
-        out = attention(*row, cu_q2, cu_k2, max(a, n - cut), n, None, window)
-        assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
+    for head in (HEAD_DIM, 128) if DEVICE == "cuda" else (HEAD_DIM,):
+        q, k, v, cu_q, cu_k = segments((n,), (n,), seed=2, dtype=dtype, head_dim=head)
+        tiles = _tiles(head, dtype)._replace(fused=fused, tma=fused)
+
+        def attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles=tiles, head=head):
+            return _launch(q, k, v, cu_q, cu_k, max_q, scale or head**-0.5, window, tiles)[0]
+
+        whole = attention(q, k, v, cu_q, cu_k, n, None, window)
+        atol = 2e-6 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(whole.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0,
+                                   atol=atol)
+        others = segments((a, b), (a, b), seed=3, dtype=dtype, head_dim=head)
+        for cut in (0, 5 * x8, 16 * x8, 44 * x8):
+            row = [torch.cat([others[i][:a], x, others[i][a:]]) for i, x in enumerate((q[cut:], k, v))]
+            cu_q2 = torch.tensor([0, a, a + n - cut, a + b + n - cut], dtype=torch.int32, device=DEVICE)
+            cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
+            out = attention(*row, cu_q2, cu_k2, max(a, n - cut), None, window)
+            assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
 
 
 @pytest.mark.parametrize("window", [None, 7])
