@@ -215,9 +215,9 @@ def main() -> None:
                 s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
                 record("fixed", "naive", tokens, s, p)
             s, p = timed(lambda: model(input_ids=ids), device, reps)
-            ref_lp, _ = naive_scores(model, ids, None)
+            ref_lp, _ = naive_scores(model, ids[:2], None)  # (two rows: all eight's fp32 logits take 40 GB)
             fused = model(input_ids=ids)
-            diff = float((fused.log_probs[:, :-1] - ref_lp).abs().max())
+            diff = float((fused.log_probs[:2, :-1] - ref_lp).abs().max())
             record("fixed", "patched (invariant)", tokens, s, p, max_diff_vs_naive=diff)
             del ref_lp, fused
             fast(model, backend)
