@@ -330,8 +330,8 @@ def main() -> None:
         options = dict(dtype=torch.bfloat16) if cuda else dict(backend="torch")
         model = args.model
         if args.model in IN_MEMORY:  # (no checkpoint on disk: 15 and 61 GB)
-            model = in_memory(args.model, cuda)
             options = {} if cuda else dict(backend="torch")
+            model = patch_model(in_memory(args.model, cuda), **options)  # (a worker warms a module up as given)
         lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
         out.update(model=args.model, options={"modes": args.modes} if args.modes != "invariant,fast,hf" else {})
         budgets = (16384, 32768, 8192) if cuda else (64, 128, 100)

@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
     parser.add_argument("--long", type=int, nargs="*", default=[],
-                        help="also one sequence of each of these lengths through LogProbWorker at its defaults")
+                        help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
     args = parser.parse_args()
@@ -270,12 +270,11 @@ def main() -> None:
                         record("mixed", f"worker, rows of {r} ({mode}), top-{k}", real, s, p, vs_plain=s / plain_s)
             patch_model(model, backend=backend)
 
-        if args.long:  # long context: one sequence a call, at the worker's defaults (one forward of its length)
-            worker = LogProbWorker(model)
-            for n in args.long:
-                seq = torch.randint(0, vocab, (n,), generator=g).tolist()
-                s, p = timed(lambda w=worker, seq=seq: w.score([seq]), device, 1)
-                record("long", f"worker, one sequence of {n}", n, s, p)
+        for n in args.long:  # long context: one sequence a call, by a worker that takes it (one forward)
+            worker = LogProbWorker(model, max_tokens_per_batch=n)
+            seq = torch.randint(0, vocab, (n,), generator=g).tolist()
+            s, p = timed(lambda w=worker, seq=seq: w.score([seq]), device, 1)
+            record("long", f"worker, one sequence of {n}", n, s, p, max_tokens_per_batch=n)
 
     if args.out:
         with open(args.out, "w") as f:

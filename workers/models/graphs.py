@@ -11,7 +11,9 @@ buffers: a row fills them, replays and copies its hidden states out under one lo
 cannot mix.
 
 Rows it cannot take run as before: shared-prefix keys (their gathered keys vary in length), a gradient, other
-outputs asked of the body, more tokens than the largest bucket.
+outputs asked of the body, more tokens than the largest bucket. The largest bucket is also bounded by the body's
+cost: past GRAPH_FLOP a row's kernels take long enough to hide its launch, and the filler costs more than a graph
+saves (the 7B shape's mixed rollouts in rows of 16,384: 41.1k tokens/s with graphs of every bucket, 42.0k without).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ log = logging.getLogger(__name__)
 
 MIN_BUCKET = 128
 MAX_BUCKET = 16384
+# the largest body forward given a graph, in FLOP (2 x body parameters x tokens): ~90 ms at 500 TFLOP/s, where
+# launching one by kernels costs the host 25-40 ms; rows up to 16,384 tokens of the 1.5B shape, ~3.4k of the 7B
+GRAPH_FLOP = 4.5e13
 
 
 def buckets(limit: int) -> list[int]:
@@ -39,6 +44,12 @@ def buckets(limit: int) -> list[int]:
         sizes.append(size)
         size += max(MIN_BUCKET, 1 << (size.bit_length() - 4))
     return [*sizes, min(limit, MAX_BUCKET)] if limit >= MIN_BUCKET else []
+
+
+def graph_tokens(model: nn.Module) -> int:
+    """The longest row worth a graph for this model's body (GRAPH_FLOP; embeddings are not computed)."""
+    body = sum(p.numel() for name, p in model.base_model.named_parameters() if "embed" not in name)
+    return int(GRAPH_FLOP / (2 * max(body, 1)))
 
 
 def capturable(model: nn.Module) -> str | None:
@@ -62,7 +73,7 @@ class BodyGraphs:
 
     def __init__(self, model: nn.Module, limit: int) -> None:
         self.model = model
-        self.sizes = buckets(limit)
+        self.sizes = buckets(min(limit, graph_tokens(model)))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.failed: str | None = None  # why a capture failed: no graph is tried again
         self.replays = 0

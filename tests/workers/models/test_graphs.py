@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, load_model
-from ppo_logprobs.workers.models.graphs import MAX_BUCKET, MIN_BUCKET, buckets, capturable, use_graphs
+from ppo_logprobs.workers.models.graphs import MAX_BUCKET, MIN_BUCKET, buckets, capturable, graph_tokens, use_graphs
 from ppo_logprobs.workers.models.patch_model import allow_split_k
 from tests.helpers import small_cuda_model
 
@@ -21,6 +21,22 @@ def test_buckets_are_an_eighth_apart_and_end_at_the_limit():
     assert (gaps > 0).all() and (gaps <= np.maximum(MIN_BUCKET, np.array(sizes[:-1]) // 8)).all()
     assert buckets(1000)[-1] == 1000 and buckets(1 << 20)[-1] == MAX_BUCKET
     assert buckets(MIN_BUCKET - 1) == [] and buckets(MIN_BUCKET) == [MIN_BUCKET]
+
+
+def test_graphs_stop_where_a_rows_kernels_hide_its_launch():
+    """The longest row given a graph falls with the body's size: every bucket for the 1.5B shape (as measured with
+    graphs), rows up to ~3.4k tokens for the 7B's (whose rows of 16,384 ran 2% slower with graphs)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def shape(hidden, inter, heads, kv):
+        config = Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=28,
+                             num_attention_heads=heads, num_key_value_heads=kv)
+        with torch.device("meta"):
+            return Qwen2ForCausalLM(config)
+
+    assert MAX_BUCKET <= graph_tokens(shape(1536, 8960, 12, 2)) < 20000
+    assert 3000 < graph_tokens(shape(3584, 18944, 28, 4)) < 4000
+    assert graph_tokens(load_model("tiny", device="cpu")) > MAX_BUCKET
 
 
 def test_a_body_that_cannot_be_captured_says_why():
