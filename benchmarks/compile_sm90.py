@@ -53,7 +53,7 @@ def _build(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3, attr
         sass = subprocess.run([os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c", cubin], capture_output=True,
                               text=True).stdout
     said = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
-            if "Used" in line or "spill" in line]
+            if "Used" in line or "spill" in line] + [f"{compiled.metadata.shared} bytes of shared memory (Triton's)"]
     at = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # (an instruction's line: its offset)
     return said, sum(1 for line in sass.splitlines() if at.match(line) and "NOP" not in line)
 
@@ -107,6 +107,5 @@ if __name__ == "__main__":
         print(first_pass(tile_stats), flush=True)
     for k in (20, 64, 128, 256):
         print(combine(k), flush=True)
-    for tiles in (attn._tiles(128, torch.bfloat16), attn.Tiles(128, 64, 8, 3, True, True),
-                  attn.Tiles(128, 128, 8, 2, True, True)):
+    for tiles in (attn._tiles(128, torch.bfloat16), attn.Tiles(128, 64, 8, 3), attn.Tiles(128, 128, 8, 3, True, True)):
         print(attention(tiles), flush=True)

@@ -18,6 +18,7 @@ shared prefix gets the bits it gets alone. torch's FlashAttention kernel is inva
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -41,15 +42,37 @@ class Tiles(NamedTuple):
     tma: bool = False  # keys and values read by the copy engine (Hopper and later; see _launch)
 
 
-def _tiles(head: int, dtype: torch.dtype) -> Tiles:
-    """One tiling per head size and dtype (BLOCK_N fixes a query's order of summation; the rest only the speed)."""
+# 16-bit heads over 64, fastest first (bench_attention.py --sweep on an H100, 8 x 4096 tokens, 32 query and 4 key-value
+# heads of 128: 445, 405 TFLOP/s; with TMA the first ran 447): the first whose pipeline fits the device's shared memory
+# (224 KiB: Hopper and later; 128 KiB: the A100; 80 KiB: GPUs of 100 KiB such as the L40S)
+_WIDE = (Tiles(128, 128, 8, 3, fused=True), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2))
+
+
+def _tiles(head: int, dtype: torch.dtype, device: torch.device | None = None) -> Tiles:
+    """One tiling per head size, dtype and kind of GPU (BLOCK_N fixes a query's order of summation; the rest only
+    the speed)."""
     if interpreting():
         return Tiles(16, 16, 4, 1)
+    room = _shared_memory(torch.device(device or "cuda")) if torch.cuda.is_available() else None
+    return tiles_for(head, dtype, room)
+
+
+def tiles_for(head: int, dtype: torch.dtype, room: int | None) -> Tiles:
+    """The tiling of heads of `head` elements of `dtype` on a GPU whose programs may use `room` bytes of shared memory
+    (None: as much as Hopper's)."""
     if dtype == torch.float32:
         return Tiles(64, 32, 4, 2)
-    # bf16 on an H100 (bench_attention.py --sweep, 8 x 4096 tokens, 32 query and 4 key-value heads of 128): 128 x 128,
-    # 8 warps, 3 stages, fused: 445 TFLOP/s; 128 x 64 unfused (the default before) 405; with TMA 447 (Hopper only)
-    return Tiles(128, 128, 8, 3, fused=True) if head > 64 else Tiles(128, 64, 4, 3)
+    if head <= 64:
+        return Tiles(128, 64, 4, 3)
+    d = triton.next_power_of_2(head)  # (its stages of keys and values, and the queries)
+    return next((t for t in _WIDE if room is None or (2 * t.num_stages * t.block_n + t.block_m) * d * 2 <= room),
+                _WIDE[-1])
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on this device."""
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @triton.jit
@@ -185,9 +208,9 @@ class Schedule(NamedTuple):
     count: Tensor
 
 
-def block_m(head: int, dtype: torch.dtype) -> int:
-    """The queries one tile takes, for heads of this size and dtype."""
-    return _tiles(head, dtype).block_m
+def block_m(head: int, dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """The queries one tile takes, for heads of this size and dtype on this device."""
+    return _tiles(head, dtype, device).block_m
 
 
 def schedule(cu_q: Tensor, block: int, capacity: int) -> Schedule:
@@ -205,7 +228,7 @@ def schedule(cu_q: Tensor, block: int, capacity: int) -> Schedule:
 def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, scale: float,
             window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
-    tiles = tiles or _tiles(d, q.dtype)
+    tiles = tiles or _tiles(d, q.dtype, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1])

@@ -85,7 +85,7 @@ class BodyGraphs:
         self.cu = torch.zeros(size + 2, dtype=torch.int32, device=device)  # (at most one segment a token, filler)
         self.hidden = torch.empty(size, model.config.hidden_size, dtype=next(model.parameters()).dtype,
                                   device=device)
-        self.block = causal_attention.block_m(head_dim(model.config), self.hidden.dtype)
+        self.block = causal_attention.block_m(head_dim(model.config), self.hidden.dtype, device)
         self.pool = torch.cuda.graph_pool_handle()
 
     def bucket(self, tokens: int) -> int | None:

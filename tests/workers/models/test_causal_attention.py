@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from ppo_logprobs.workers.models.causal_attention import _launch, _tiles, block_m, causal_attention, schedule
+from ppo_logprobs.workers.models.causal_attention import (
+    Tiles,
+    _launch,
+    _tiles,
+    block_m,
+    causal_attention,
+    schedule,
+    tiles_for,
+)
 
 from ..head.reference import assert_same_bits
 
@@ -101,6 +109,18 @@ def test_a_querys_bits_are_its_own(dtype, window, fused):
             cu_k2 = torch.tensor([0, a, a + n, a + b + n], dtype=torch.int32, device=DEVICE)
             out = attention(*row, cu_q2, cu_k2, max(a, n - cut), None, window)
             assert_same_bits(pieces(out, cu_q2)[1], whole[cut:], interpreted=DEVICE != "cuda")  # (see its note)
+
+
+def test_the_tiling_fits_the_gpus_shared_memory():
+    """Heads of 128 in bf16 take 128 x 128 tiles where a program may use Hopper's 227 KiB of shared memory (their
+    three stages of keys and values and the queries: 224 KiB), 128 x 64 on an A100 (163 KiB), 64 x 64 on GPUs of
+    99 KiB (L40S, RTX 4090); smaller heads and fp32 one tiling everywhere."""
+    assert tiles_for(128, torch.bfloat16, 232448) == Tiles(128, 128, 8, 3, fused=True) == tiles_for(128, torch.bfloat16,
+                                                                                                  None)
+    assert tiles_for(128, torch.bfloat16, 166912) == Tiles(128, 64, 8, 3)
+    assert tiles_for(96, torch.float16, 101376) == tiles_for(128, torch.bfloat16, 101376) == Tiles(64, 64, 4, 2)
+    assert tiles_for(64, torch.bfloat16, 101376) == tiles_for(64, torch.bfloat16, None) == Tiles(128, 64, 4, 3)
+    assert tiles_for(128, torch.float32, 101376) == Tiles(64, 32, 4, 2)
 
 
 @pytest.mark.parametrize("window", [None, 7])
