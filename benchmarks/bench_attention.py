@@ -6,6 +6,7 @@ GEMM of the 7B's MLP size, as inside the model (where the profile finds it slowe
 
   python benchmarks/bench_attention.py --out attention.json   # one H200
   python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
+  python benchmarks/bench_attention.py --gluon                # benchmarks/gluon_attention.py's experiment (Hopper)
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --tiny   # a CPU dry run
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import numpy as np
 import torch
@@ -63,17 +65,60 @@ def after_gemm_ms(fn, x, w, cuda: bool, n: int = 50) -> float:
     return float(np.median(times[-n:]))
 
 
-def suffix_bits_differ(q, k, v, n: int, d: int, tiles) -> int:
+def suffix_bits_differ(q, k, v, n: int, d: int, tiles=None, launch=None) -> int:
     """Queries of the row's first sequence (n tokens) whose output bits differ between the sequence scored whole and
     as a suffix after its first c keys, for c in 1, n / 3, n - 1 (query tiles starting elsewhere: other blocks masked),
-    with this tiling: what a tiling must keep for shared prefixes (0)."""
+    with this tiling (or `launch(q, k, v, cu_q, cu_k, max_q)` -> out): what a kernel must keep for shared prefixes
+    (0)."""
+    launch = launch or (lambda *a: ca._launch(*a, d**-0.5, None, tiles)[0])
     seg = lambda *bounds: torch.tensor(bounds, dtype=torch.int32, device=q.device)  # noqa: E731
-    whole = ca._launch(q[:n], k[:n], v[:n], seg(0, n), seg(0, n), n, d**-0.5, None, tiles)[0]
+    whole = launch(q[:n], k[:n], v[:n], seg(0, n), seg(0, n), n)
     differ = 0
     for cut in (1, n // 3, n - 1):
-        part = ca._launch(q[cut:n], k[:n], v[:n], seg(0, n - cut), seg(0, n), n - cut, d**-0.5, None, tiles)[0]
+        part = launch(q[cut:n], k[:n], v[:n], seg(0, n - cut), seg(0, n), n - cut)
         differ += int((part != whole[cut:]).any(-1).any(-1).sum())
     return differ
+
+
+def gluon_check(time_ms) -> None:
+    """benchmarks/gluon_attention.py's kernel (an experiment, Hopper only) against ours on each case: time, the largest
+    difference, queries with the same bits, queries whose bits differ as suffixes; then against float64 on small
+    segments (with keys shared ahead of two of them) and grouped heads."""
+    import gluon_attention as ga  # the same directory
+
+    def gluon(q, k, v, cu_q, cu_k, max_q):
+        return ga.attention(q, k, v, cu_q, cu_k, max_q)[0]
+
+    for name, (lengths, heads, kv_heads, d) in CASES.items():
+        q, k, v, cu = row_of(lengths, heads, kv_heads, d, "cuda", torch.bfloat16)
+        flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
+        ours = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None)[0]
+        got = gluon(q, k, v, cu, cu, max(lengths))
+        ms = [time_ms(lambda f=f: f(q, k, v, cu, cu, max(lengths))) for f in (
+            lambda *a: ca._launch(*a, d**-0.5, None)[0], gluon, lambda *a: ga.attention(*a, stages=2)[0])]
+        print(f"{name}: ours {ms[0]:.3f} ms ({flops / ms[0] / 1e9:.1f} TFLOP/s), Gluon {ms[1]:.3f} ms "
+              f"({flops / ms[1] / 1e9:.1f}; 2 stages {flops / ms[2] / 1e9:.1f}); max |diff| "
+              f"{float((ours.float() - got.float()).abs().max()):.3g}, "
+              f"queries with ours' bits {float((ours == got).all(-1).all(-1).float().mean()):.4f}, queries whose "
+              f"bits differ as suffixes {suffix_bits_differ(q, k, v, lengths[0], d, launch=gluon)}", flush=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q_lengths, k_lengths = [1, 5, 129, 300, 517, 200, 64], [1, 5, 129, 300, 517, 333, 64 + 190]
+    q = torch.randn(sum(q_lengths), 6, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(k_lengths), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(n)], dtype=torch.int32, device="cuda") for n in (q_lengths, k_lengths))
+    out, lse = ga.attention(q, k, v, cu_q, cu_k, max(q_lengths))
+    worst = worst_lse = 0.0
+    for i in range(len(q_lengths)):
+        a, b, c, e = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        qq, kk, vv = q[a:b].double(), k[c:e].double().repeat_interleave(3, 1), v[c:e].double().repeat_interleave(3, 1)
+        scores = torch.einsum("qhd,khd->hqk", qq, kk) / math.sqrt(128)
+        pos = torch.arange(b - a, device="cuda")[:, None] + (e - c) - (b - a)
+        scores = scores.masked_fill(torch.arange(e - c, device="cuda")[None, :] > pos, -math.inf)
+        want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+        worst = max(worst, float((out[a:b].double() - want).abs().max()))
+        worst_lse = max(worst_lse, float((lse[:, a:b].double() - scores.logsumexp(-1)).abs().max()))
+    print(f"Gluon against float64 (segments of 1 to 517 queries, two after shared keys, 6 / 2 heads): max |diff| "
+          f"{worst:.3g} (bf16 output: within ~1e-2 expected), log-sum-exp {worst_lse:.3g}", flush=True)
 
 
 def sm_clock_mhz() -> int | None:
@@ -87,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon experiment against ours (Hopper), then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -96,6 +142,11 @@ def main() -> None:
     if cuda:
         a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)
         floor = 2 * 4096**3 / time_ms(lambda: a @ b) / 1e9
+    if args.gluon:
+        if not cuda or torch.cuda.get_device_capability()[0] < 9:
+            raise SystemExit("--gluon: the Gluon experiment needs a Hopper GPU (or later)")
+        gluon_check(time_ms)
+        return
     rows = []
     for name, (lengths, heads, kv_heads, d) in CASES.items():
         if args.tiny:
