@@ -1,8 +1,8 @@
 """An experiment for issue 41, not used by the service: the causal varlen attention forward written in Gluon (Triton's
 explicit layer) for Hopper, so that the softmax of a key block runs while the tensor cores multiply the previous
 block's probabilities by its values. Triton's compiler does not do this for causal_attention.py: it waits for every
-wgmma at once (`wgmma.wait_group 0` before each use; checked with compile_sm90.py's build on sm_90a, also with the
-query tile split in two halves).
+wgmma at once (`wgmma.wait_group 0` before each use, in its PTX for sm_90a, also with the query tile split in two
+halves whose products could overlap).
 
 Per program: BLOCK_M queries of one segment and head, as causal_attention.py takes them, with its arithmetic in the
 fused form (a block's max over its allowed keys times the scale, exp2 of one FMA, masked keys as -inf) and its key
@@ -14,9 +14,12 @@ tile starts. Keys and values come by TMA into a ring of STAGES buffers; each blo
     wait for S(j+1) only; softmax of block j+1 (P(j+1), the new max, alpha)   <- overlaps P(j) V(j)
     wait for O; O *= alpha; refill block j's buffers with block j + STAGES
 
-Limits of the experiment: heads of 128 (BLOCK_N = BLOCK_M = 128), bf16, no window, no shared keys, no CUDA-graph
-schedule. `python benchmarks/bench_attention.py --gluon` checks it against causal_attention.py (bits and the float64
-oracle's tolerance) and times it; `compile()` builds it for sm_90a without a GPU (registers, spills, waits).
+Limits of the experiment: heads of 128 (BLOCK_N = BLOCK_M = 128), bf16, no window, no CUDA-graph schedule (keys
+shared ahead of a segment are taken, as causal_attention.py takes them). `python benchmarks/bench_attention.py
+--gluon` checks it against causal_attention.py (bits and the float64 oracle's tolerance) and times it;
+`compile_sm90()` builds it for sm_90a without a GPU (`python benchmarks/gluon_attention.py`: its waits, 0, 0, 1, 0;
+under Triton 3.6, the device's, ptxas gives 225 registers and no spills at 3 stages, 224 KiB of shared memory; 2
+stages spill 12 bytes). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ def attention(q, k, v, cu_q, cu_k, max_q: int, scale: float | None = None, stage
     return out, lse
 
 
-def compile(stages: int = STAGES, warps: int = WARPS):
+def compile_sm90(stages: int = STAGES, warps: int = WARPS):
     """The kernel built for sm_90a here (no GPU needed): Triton's compiled kernel (asm, metadata)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -181,7 +184,7 @@ def compile(stages: int = STAGES, warps: int = WARPS):
 if __name__ == "__main__":
     import re
 
-    compiled = compile()
+    compiled = compile_sm90()
     ptx = compiled.asm["ptx"]
     print("wgmma waits:", re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", ptx),
           "wgmma:", len(re.findall(r"wgmma.mma_async", ptx)), "shared bytes:", compiled.metadata.shared)
