@@ -270,11 +270,7 @@ def in_memory(name: str, cuda: bool) -> torch.nn.Module:
     if name == "qwen3-30b-a3b":
         return bench_moe.build(bench_moe.QWEN3_30B_A3B if cuda else bench_moe.TINY, device, dtype)
     model = bench_model.build(bench_model.QWEN25_7B if cuda else bench_model.TINY, device, dtype)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return model
+    return bench_moe.random_weights(model)
 
 
 def by_other_process(model: str, seqs: list, budget: int, order: np.ndarray, options: dict) -> list:

@@ -40,6 +40,11 @@ def build(config: dict, device: str, dtype: torch.dtype, seed: int = 0) -> torch
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config, attn_implementation="sdpa")).eval()
     finally:
         torch.set_default_dtype(default)
+    return random_weights(model, seed)
+
+
+def random_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter drawn from N(0, 0.02) after seeding: the same bits for the same seed in any process."""
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
