@@ -80,13 +80,16 @@ def suffix_bits_differ(q, k, v, n: int, d: int, tiles=None, launch=None) -> int:
     return differ
 
 
-def gluon_check(time_ms) -> None:
+GLUON = {"plain": {}, "2-stages": dict(stages=2), "pingpong": dict(pingpong=True)}
+
+
+def gluon_check(time_ms, names: list[str]) -> None:
     """benchmarks/gluon_attention.py's kernels (an experiment, Hopper only) against ours on each case: time, the
     largest difference, queries with the same bits, queries whose bits differ as suffixes; then against float64 on
     small segments (with keys shared ahead of two of them) and grouped heads."""
     import gluon_attention as ga  # the same directory
 
-    variants = {"Gluon": {}, "Gluon, 2 stages": dict(stages=2), "Gluon pingpong": dict(pingpong=True)}
+    variants = {f"Gluon {name}": GLUON[name] for name in names}
     for name, (lengths, heads, kv_heads, d) in CASES.items():
         q, k, v, cu = row_of(lengths, heads, kv_heads, d, "cuda", torch.bfloat16)
         flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
@@ -139,7 +142,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
-    parser.add_argument("--gluon", action="store_true", help="the Gluon experiment against ours (Hopper), then exit")
+    parser.add_argument("--gluon", nargs="*", choices=list(GLUON), help="the Gluon experiment's forms (default: "
+                        "all) against ours (Hopper), then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -149,10 +153,10 @@ def main() -> None:
     if cuda:
         a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)
         floor = 2 * 4096**3 / time_ms(lambda: a @ b) / 1e9
-    if args.gluon:
+    if args.gluon is not None:
         if not cuda or torch.cuda.get_device_capability()[0] < 9:
             raise SystemExit("--gluon: the Gluon experiment needs a Hopper GPU (or later)")
-        gluon_check(time_ms)
+        gluon_check(time_ms, args.gluon or list(GLUON))
         return
     rows = []
     for name, (lengths, heads, kv_heads, d) in CASES.items():
