@@ -21,6 +21,7 @@ import statistics
 import time
 
 import torch
+from bench_moe import device_gaps, host_waits  # the same directory
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
@@ -63,9 +64,10 @@ _KINDS = (("attention", "attention"), ("_attn", "attention"), ("_rms_norm", "RMS
           ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))
 
 
-def profile(fn, device: str) -> dict:
-    """GPU time of one call split by kind of kernel (torch.profiler), printed as a table, then its 12 costliest
-    kernels by name."""
+def profile(fn, device: str, layers: int) -> dict:
+    """GPU time of one call split by kind of kernel (torch.profiler), printed as a table (and a layer's share: the
+    kind's time over the model's layers), then its 12 costliest kernels by name; on CUDA also where the device waits
+    for the host (bench_moe.device_gaps) and where the host waits for the device (bench_moe.host_waits)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -87,14 +89,19 @@ def profile(fn, device: str) -> dict:
         names[e.key[:60]] = names.get(e.key[:60], 0) + us / 1e3
     total = sum(kinds.values())
     wall = timed(fn, device, 3)[0] * 1e3  # (unprofiled)
+    print(f"{'':>30} {'ms':>9} {'share':>6} {'a layer':>9}")
     for kind, ms in sorted(kinds.items(), key=lambda x: -x[1]):
-        print(f"{kind:>30} {ms:9.2f} ms {100 * ms / total:5.1f}%")
+        print(f"{kind:>30} {ms:9.2f} {100 * ms / total:5.1f}% {ms / layers:9.3f}")
     print(f"{'kernels, all':>30} {total:9.2f} ms; the call (unprofiled, median of 3) {wall:.2f} ms: the GPU idles "
-          f"{wall - total:.2f} ms ({100 * (wall - total) / wall:.1f}%) between kernels")
+          f"{wall - total:.2f} ms ({100 * (wall - total) / wall:.1f}%) of it")
     top = dict(sorted(names.items(), key=lambda x: -x[1])[:12])
     for name, ms in top.items():
         print(f"{'':>8}{name:>60} {ms:8.2f} ms")
-    return dict(total_ms=total, wall_ms=wall, idle_ms=wall - total, by_kind=kinds, kernels_top=top)
+    result = dict(total_ms=total, wall_ms=wall, idle_ms=wall - total, layers=layers, by_kind=kinds, kernels_top=top)
+    if device == "cuda":
+        result["gaps"] = device_gaps(prof)
+        result["host_waits"] = host_waits(fn)
+    return result
 
 
 def sync(device: str) -> None:
@@ -200,7 +207,7 @@ def main() -> None:
     with torch.no_grad():
         if args.profile:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
-            meta["profile"] = profile(lambda: model(input_ids=ids), device)
+            meta["profile"] = profile(lambda: model(input_ids=ids), device, model.config.num_hidden_layers)
             args.skip_fixed = args.skip_mixed = True
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)

@@ -98,14 +98,54 @@ def hf_scores(model, seqs: list[list[int]], device: str):
         return [logits[b, :-1].float().log_softmax(-1).gather(-1, ids[b, 1:, None]) for b in range(len(seqs))]
 
 
+def host_waits(fn) -> dict[str, int]:
+    """The Python lines where one call of fn waits for the device (torch's sync debug mode), printed and returned
+    (line: times)."""
+    import collections
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    print("host waits on the device (synchronizing calls in one call):", flush=True)
+    for line, n in where.most_common(15):
+        print(f"  {n:5d}  {line}", flush=True)
+    return dict(where.most_common(15))
+
+
+def device_gaps(prof) -> dict:
+    """Where the device waits for the host in a profiled call: from the first host op to the first kernel, idle time
+    between kernels (by the kernel that ends each wait), printed and returned (ms)."""
+    import collections
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
+    host = min(e["ts"] for e in events if e.get("cat") == "cpu_op")
+    idle, after = 0.0, collections.Counter()
+    for (_, end, _), (start, _, name) in zip(kernels, kernels[1:], strict=False):
+        if start > end:
+            idle += start - end
+            after[name[:60]] += start - end
+    span = (kernels[-1][1] - kernels[0][0]) / 1e3
+    print(f"host ops before the first kernel: {(kernels[0][0] - host) / 1e3:.1f} ms; device idle between kernels: "
+          f"{idle / 1e3:.1f} ms of {span:.1f} ms from first kernel to last; the largest waits end at:", flush=True)
+    for name, us in after.most_common(12):
+        print(f"  {us / 1e3:8.2f} ms  {name}", flush=True)
+    return dict(before_first_kernel_ms=(kernels[0][0] - host) / 1e3, idle_between_ms=idle / 1e3, span_ms=span,
+                waits_end_at_ms={name: us / 1e3 for name, us in after.most_common(12)})
+
+
 def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
     """The kernels of one scoring call (ours, after a warm-up call), by total device time; on CUDA also where the
     host waits for the device (the Python lines of synchronizing calls) and where the device waits for the host
     (idle time between kernels, by the kernel that ends the wait)."""
-    import collections
-    import tempfile
-    import warnings
-
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -114,16 +154,7 @@ def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
     worker.score(seqs)
     print(f"one call, unprofiled: {timed(lambda: worker.score(seqs), cuda, 3) * 1e3:.1f} ms (median of 3)", flush=True)
     if cuda:
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            worker.score(seqs)
-        torch.cuda.set_sync_debug_mode(0)
-        where = collections.Counter(f"{w.filename.split('site-packages/')[-1]}:{w.lineno}" for w in caught
-                                    if "synchroniz" in str(w.message))
-        print("host waits on the device (synchronizing calls in one scoring call):", flush=True)
-        for line, n in where.most_common(15):
-            print(f"  {n:5d}  {line}", flush=True)
+        host_waits(lambda: worker.score(seqs))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profiler(activities=activities) as prof:
         worker.score(seqs)
@@ -133,20 +164,7 @@ def profile(model, seqs: list[list[int]], cuda: bool, tiny: bool) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
     if not cuda:
         return
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel")
-    idle, after = 0.0, collections.Counter()
-    for (_, end, _), (start, _, name) in zip(kernels, kernels[1:], strict=False):
-        if start > end:
-            idle += start - end
-            after[name[:60]] += start - end
-    span = (kernels[-1][1] - kernels[0][0]) / 1e3
-    print(f"device idle between kernels: {idle / 1e3:.1f} ms of {span:.1f} ms from first kernel to last; "
-          "the largest waits end at:", flush=True)
-    for name, us in after.most_common(12):
-        print(f"  {us / 1e3:8.2f} ms  {name}", flush=True)
+    device_gaps(prof)
 
 
 def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool) -> None:
