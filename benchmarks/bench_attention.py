@@ -6,7 +6,7 @@ GEMM of the 7B's MLP size, as inside the model (where the profile finds it slowe
 
   python benchmarks/bench_attention.py --out attention.json   # one H200
   python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
-  python benchmarks/bench_attention.py --gluon                # benchmarks/gluon_attention.py's experiment (Hopper)
+  python benchmarks/bench_attention.py --gluon                # hopper_attention.py's kernels (Hopper): bits, float64
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --tiny   # a CPU dry run
 """
 
@@ -33,7 +33,9 @@ SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (
          # read as tensor descriptors (the copy engine)
          (128, 64, 8, 3, True), (128, 64, 8, 4, True), (128, 128, 8, 2, True), (128, 128, 8, 3, True),
          (128, 64, 8, 3, False, True), (128, 64, 8, 3, True, True), (128, 128, 8, 2, True, True),
-         (128, 128, 8, 3, True, True), (128, 64, 8, 4, True, True)]
+         (128, 128, 8, 3, True, True), (128, 64, 8, 4, True, True),
+         # hopper_attention.py's Gluon kernels (Tiles.gluon)
+         (128, 128, 8, 3, True, False, "overlap"), (128, 128, 8, 3, True, False, "pingpong")]
 
 
 def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
@@ -80,55 +82,51 @@ def suffix_bits_differ(q, k, v, n: int, d: int, tiles=None, launch=None) -> int:
     return differ
 
 
-GLUON = {"plain": {}, "2-stages": dict(stages=2), "pingpong": dict(pingpong=True)}
-
-
-def gluon_check(time_ms, names: list[str]) -> None:
-    """benchmarks/gluon_attention.py's kernels (an experiment, Hopper only) against ours on each case: time, the
-    largest difference, queries with the same bits, queries whose bits differ as suffixes; then against float64 on
-    small segments (with keys shared ahead of two of them) and grouped heads."""
-    import gluon_attention as ga  # the same directory
-
-    variants = {f"Gluon {name}": GLUON[name] for name in names}
+def gluon_check(time_ms, forms: list[str]) -> None:
+    """workers/models/hopper_attention.py's forms (Tiles.gluon, Hopper) against the default tiling on each case: time,
+    the largest difference, queries with the same bits, queries whose bits differ as suffixes; then against float64
+    on small segments (with keys shared ahead of two of them), grouped heads, with and without a window."""
+    default = ca._tiles(128, torch.bfloat16)
     for name, (lengths, heads, kv_heads, d) in CASES.items():
         q, k, v, cu = row_of(lengths, heads, kv_heads, d, "cuda", torch.bfloat16)
         flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
         ours = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None)[0]
         ms = time_ms(lambda: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None))
-        print(f"{name}: ours {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s)", flush=True)
-        for label, options in variants.items():
-            def launch(*a, options=options):
-                return ga.attention(*a, **options)[0]
-
+        print(f"{name}: {default} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s)", flush=True)
+        for form in forms:
+            tiles = default._replace(gluon=form)
             try:
-                got = launch(q, k, v, cu, cu, max(lengths))
-                ms = time_ms(lambda launch=launch: launch(q, k, v, cu, cu, max(lengths)))
-                print(f"  {label}: {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s); max |diff| from ours "
-                      f"{float((ours.float() - got.float()).abs().max()):.3g}, queries with ours' bits "
+                got = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles)[0]
+                ms = time_ms(lambda tiles=tiles: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles))
+                print(f"  {form}: {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s); max |diff| from the default "
+                      f"{float((ours.float() - got.float()).abs().max()):.3g}, queries with its bits "
                       f"{float((ours == got).all(-1).all(-1).float().mean()):.4f}, queries whose bits differ as "
-                      f"suffixes {suffix_bits_differ(q, k, v, lengths[0], d, launch=launch)}", flush=True)
-            except Exception as err:  # noqa: BLE001 (an experiment that fails is a finding)
-                print(f"  {label}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                      f"suffixes {suffix_bits_differ(q, k, v, lengths[0], d, tiles)}", flush=True)
+            except Exception as err:  # noqa: BLE001 (a form that fails is a finding)
+                print(f"  {form}: {type(err).__name__}: {str(err)[:200]}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     q_lengths, k_lengths = [1, 5, 129, 300, 517, 200, 64], [1, 5, 129, 300, 517, 333, 64 + 190]
     q = torch.randn(sum(q_lengths), 6, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(sum(k_lengths), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     cu_q, cu_k = (torch.tensor([0, *np.cumsum(n)], dtype=torch.int32, device="cuda") for n in (q_lengths, k_lengths))
-    for label, options in variants.items():
-        out, lse = ga.attention(q, k, v, cu_q, cu_k, max(q_lengths), **options)
-        worst = worst_lse = 0.0
-        for i in range(len(q_lengths)):
-            a, b, c, e = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-            qq = q[a:b].double()
-            kk, vv = (x[c:e].double().repeat_interleave(3, 1) for x in (k, v))
-            scores = torch.einsum("qhd,khd->hqk", qq, kk) / math.sqrt(128)
-            pos = torch.arange(b - a, device="cuda")[:, None] + (e - c) - (b - a)
-            scores = scores.masked_fill(torch.arange(e - c, device="cuda")[None, :] > pos, -math.inf)
-            want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
-            worst = max(worst, float((out[a:b].double() - want).abs().max()))
-            worst_lse = max(worst_lse, float((lse[:, a:b].double() - scores.logsumexp(-1)).abs().max()))
-        print(f"{label} against float64 (segments of 1 to 517 queries, two after shared keys, 6 / 2 heads): max "
-              f"|diff| {worst:.3g} (bf16 output: ~1e-2 expected), log-sum-exp {worst_lse:.3g}", flush=True)
+    for form in forms:
+        for window in (None, 150):
+            out, lse = ca._launch(q, k, v, cu_q, cu_k, max(q_lengths), 128**-0.5, window, default._replace(gluon=form))
+            worst = worst_lse = 0.0
+            for i in range(len(q_lengths)):
+                a, b, c, e = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+                qq = q[a:b].double()
+                kk, vv = (x[c:e].double().repeat_interleave(3, 1) for x in (k, v))
+                scores = torch.einsum("qhd,khd->hqk", qq, kk) / math.sqrt(128)
+                behind = torch.arange(b - a, device="cuda")[:, None] + (e - c) - (b - a) - torch.arange(
+                    e - c, device="cuda")[None, :]
+                scores = scores.masked_fill((behind < 0) | (behind >= (window or e)), -math.inf)
+                want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+                worst = max(worst, float((out[a:b].double() - want).abs().max()))
+                worst_lse = max(worst_lse, float((lse[:, a:b].double() - scores.logsumexp(-1)).abs().max()))
+            print(f"{form}, window {window}, against float64 (segments of 1 to 517 queries, two after shared keys, "
+                  f"6 / 2 heads): max |diff| {worst:.3g} (bf16 output: ~1e-2 expected), log-sum-exp {worst_lse:.3g}",
+                  flush=True)
 
 
 def sm_clock_mhz() -> int | None:
@@ -142,8 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
-    parser.add_argument("--gluon", nargs="*", choices=list(GLUON), help="the Gluon experiment's forms (default: "
-                        "all) against ours (Hopper), then exit")
+    parser.add_argument("--gluon", nargs="*", choices=["overlap", "pingpong"], help="hopper_attention.py's forms "
+                        "(default: both) against the default tiling (Hopper), then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -154,9 +152,9 @@ def main() -> None:
         a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)
         floor = 2 * 4096**3 / time_ms(lambda: a @ b) / 1e9
     if args.gluon is not None:
-        if not cuda or torch.cuda.get_device_capability()[0] < 9:
-            raise SystemExit("--gluon: the Gluon experiment needs a Hopper GPU (or later)")
-        gluon_check(time_ms, args.gluon or list(GLUON))
+        if not cuda or torch.cuda.get_device_capability()[0] != 9:
+            raise SystemExit("--gluon: hopper_attention.py's kernels need a Hopper GPU")
+        gluon_check(time_ms, args.gluon or ["overlap", "pingpong"])
         return
     rows = []
     for name, (lengths, heads, kv_heads, d) in CASES.items():

@@ -5,8 +5,9 @@ Hopper, does not spill, and what it adds to the first pass's tile loop. Its epil
 cores: on an H100, the top-k statistics of stop 55 (1,465 instructions more than before) cost top-1 about 2 ms of a
 65 ms call.
 
-  python benchmarks/compile_sm90.py      # the first pass, the combine at k = 20, 64, 128, 256 as launched, then
-                                         # the attention kernel at its tiling and two the sweep tries
+  python benchmarks/compile_sm90.py      # the first pass, the combine at k = 20, 64, 128, 256 as launched, the
+                                         # attention kernel at its tiling and two the sweep tries, then
+                                         # hopper_attention.py's forms, with a window and without
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from ppo_logprobs.workers.head import triton_log_probs_forward as forward  # noqa: E402
 from ppo_logprobs.workers.models import causal_attention as attn  # noqa: E402
+from ppo_logprobs.workers.models import hopper_attention as ha  # noqa: E402
 
 I64 = {"labels_ptr", "pair_keys_ptr", "tile_key_ptr", "top_tiles_ptr", "top_ids_ptr", "candidates_ptr"}
 I32 = {"pair_count_ptr", "tile_second_ptr"}
@@ -42,8 +44,12 @@ def ptxas() -> str:
 def _build(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3, attrs: dict | None = None,
            fusion: bool = True) -> tuple[list[str], int]:
     """ptxas's report (registers, spills) and the machine code's instruction count."""
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fusion))
+    return _report(triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=fusion)))
+
+
+def _report(compiled) -> tuple[list[str], int]:
+    waits = re.findall(r"wgmma.wait_group.sync.aligned\s+(\d+)", compiled.asm["ptx"])
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -53,7 +59,8 @@ def _build(fn, sig: dict, const: dict, num_warps: int, num_stages: int = 3, attr
         sass = subprocess.run([os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c", cubin], capture_output=True,
                               text=True).stdout
     said = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
-            if "Used" in line or "spill" in line] + [f"{compiled.metadata.shared} bytes of shared memory (Triton's)"]
+            if "Used" in line or "spill" in line] + [f"{compiled.metadata.shared} bytes of shared memory (Triton's)",
+                                                     f"wgmma waits {', '.join(waits)}"]
     at = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # (an instruction's line: its offset)
     return said, sum(1 for line in sass.splitlines() if at.match(line) and "NOP" not in line)
 
@@ -102,6 +109,12 @@ def attention(tiles: attn.Tiles) -> str:
     return f"attention {tuple(tiles)}: {instructions} instructions; " + "; ".join(said)
 
 
+def hopper(form: str, window: bool) -> str:
+    """hopper_attention.py's kernel of this form (heads of 128, bf16), with a window or without."""
+    said, instructions = _report(ha.compile_sm90(form, window))
+    return f"Hopper attention, {form}{', window' if window else ''}: {instructions} instructions; " + "; ".join(said)
+
+
 if __name__ == "__main__":
     for tile_stats in (False, True):
         print(first_pass(tile_stats), flush=True)
@@ -109,3 +122,6 @@ if __name__ == "__main__":
         print(combine(k), flush=True)
     for tiles in (attn._tiles(128, torch.bfloat16), attn.Tiles(128, 64, 8, 3), attn.Tiles(128, 128, 8, 3, True, True)):
         print(attention(tiles), flush=True)
+    for form in ha.FORMS:
+        for window in (False, True):
+            print(hopper(form, window), flush=True)

@@ -30,6 +30,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting, persistent_programs
 
+try:  # (Gluon, Hopper's kernels: Triton 3.6 and later)
+    from . import hopper_attention
+except ImportError:
+    hopper_attention = None
+
 MAX_HEAD = 128  # larger heads keep FlashAttention's kernel (varlen_attention.attend)
 
 
@@ -40,6 +45,9 @@ class Tiles(NamedTuple):
     num_stages: int
     fused: bool = False  # scale and max subtracted in one FMA, the mask applied after exp2 (see _key_block)
     tma: bool = False  # keys and values read by the copy engine (Hopper and later; see _launch)
+    # one of hopper_attention.FORMS: its Gluon kernel where it runs (Hopper, heads of 128, no schedule), the rest by
+    # this tiling, which gives the same bits (128 x 128, fused)
+    gluon: str = ""
 
 
 # 16-bit heads over 64, fastest first (bench_attention.py --sweep on an H100, 8 x 4096 tokens, 32 query and 4 key-value
@@ -229,6 +237,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
             window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
     tiles = tiles or _tiles(d, q.dtype, q.device)
+    if tiles.gluon and plan is None and hopper_attention and hopper_attention.usable(q, k):
+        return hopper_attention.attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles.gluon)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1])

@@ -1,9 +1,13 @@
 """The Triton causal attention kernel (workers/models/causal_attention.py) against a float64 oracle: packed segments,
 grouped key-value heads, a head size that is not a power of two, windows, and query segments after shared keys;
 a query's bits whatever its neighbours and wherever its tile starts. In the interpreter here, on the device with
-CUDA (where its backward, FlashAttention's, is checked against FlashAttention's own)."""
+CUDA (where its backward, FlashAttention's, is checked against FlashAttention's own). Hopper's Gluon kernels
+(hopper_attention.py): built for sm_90a here, and on a Hopper GPU the bits of the tiling they stand in for."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from ppo_logprobs.workers.models.causal_attention import (
     _tiles,
     block_m,
     causal_attention,
+    hopper_attention,
     schedule,
     tiles_for,
 )
@@ -175,3 +180,43 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
                                             window_size_right=0)[0].backward(grad)
     for mine, theirs in zip(ours, (x.grad for x in inputs), strict=True):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
+
+
+@pytest.mark.skipif(hopper_attention is None, reason="this Triton has no Gluon")
+def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_products():
+    """Both forms compile for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter), fit a
+    Hopper program's 227 KiB of shared memory, and wait for one wgmma group while another is in flight (the softmax
+    beside P V): what they are for; Triton's kernel waits for all (0) each time."""
+    script = ("from ppo_logprobs.workers.models import hopper_attention as h\n"
+              "for form in h.FORMS:\n"
+              "    c = h.compile_sm90(form)\n"
+              "    print(form, c.metadata.shared, 'wgmma.wait_group.sync.aligned 1;' in c.asm['ptx'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["overlap"], ["pingpong"])]
+    assert [line[0] for line in lines] == ["overlap", "pingpong"], done.stderr[-2000:]
+    for form, shared, overlapped in lines:
+        assert int(shared) <= 232448 and overlapped == "True", (form, shared, overlapped)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper_attention is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and a Triton with Gluon)")
+@pytest.mark.parametrize("form", ["overlap", "pingpong"])
+@pytest.mark.parametrize("window", [None, 100, 333])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, window, dtype):
+    """Segments of 1 to 1,100 tokens (ending inside a tile, on a tile's edge, one past it), two after shared keys,
+    grouped heads: the Gluon kernel's output and log-sum-exp have the bits of the 128 x 128 fused tiling (which runs
+    where it cannot: other GPUs' programs, tiles from a schedule), so a sequence's bits do not depend on which ran;
+    and each is within the oracle's tolerance."""
+    q_lengths, k_lengths = (1, 127, 128, 129, 1100, 64, 200), (1, 127, 128, 129, 1100, 300, 333)
+    q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=6, dtype=dtype, head_dim=128)
+    tiles = Tiles(128, 128, 8, 3, fused=True)
+    args = (q, k, v, cu_q, cu_k, max(q_lengths), 128**-0.5, window)
+    want, want_lse = _launch(*args, tiles)
+    out, lse = _launch(*args, tiles._replace(gluon=form))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    torch.testing.assert_close(out.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=3e-2)

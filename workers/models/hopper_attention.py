@@ -1,0 +1,315 @@
+"""causal_attention.py's forward on Hopper's own instructions, written in Gluon (Triton's explicit layer), so that the
+softmax of a key block runs while the tensor cores multiply probabilities by values. Triton's compiler does not do
+this for causal_attention.py: in its PTX for sm_90a it waits for every wgmma at once (`wgmma.wait_group 0` before
+each use), also with the query tile split in two halves whose products could overlap.
+
+A program takes causal_attention.py's tile (128 queries of one segment and head) with its arithmetic in the fused
+form (a block's max over its allowed keys times the scale, exp2 of one FMA, masked keys as -inf), its key blocks
+aligned to the segment and walked in order, and its window, so that a query's bits do not depend on its neighbours
+or where its tile starts. Keys and values come by TMA into a ring of STAGES buffers. Two forms:
+
+- "overlap" (8 warps): each block's loop issues the next block's scores and this block's P V, waits for the scores
+  alone and runs their softmax while P V runs, then rescales the output;
+- "pingpong" (FA3's schedule): the tile's two halves of 64 queries on a warpgroup each, which take turns issuing
+  their products (two mbarriers), so that one's softmax runs while the other's products do, and one warp of their
+  own issues the loads (warp_specialize; 240 and 24 registers asked for).
+
+Hopper only (wgmma is sm_90a's), heads of 128, bf16 or fp16; causal_attention.py's kernel runs everything else and
+every tile taken from a schedule (a CUDA graph's forward). Triton 3.6 and later.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK, HEAD, STAGES = 128, 128, 3
+FORMS = {"overlap": 8, "pingpong": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
+_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The kernels run these heads here: a Hopper GPU, heads of 128, bf16 or fp16."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD
+            and q.dtype in _DTYPES and k.dtype == q.dtype)
+
+
+@gluon.jit
+def _tile(cu_q, cu_k, segment, block, window, BLOCK: gl.constexpr, WINDOW: gl.constexpr):
+    """Where tile `block` of a segment reads: its first query and the segment's queries, its first key and the
+    segment's keys, its first query's index, the first key block it reads, the first it masks, and how many blocks
+    it reads (0: a tile past the segment's end)."""
+    q0 = gl.load(cu_q + segment)
+    n_q = gl.load(cu_q + segment + 1) - q0
+    k0 = gl.load(cu_k + segment)
+    n_k = gl.load(cu_k + segment + 1) - k0
+    m0 = block * BLOCK
+    before = n_k - n_q  # (keys ahead of the first query: a shared prefix)
+    end = gl.minimum(n_k, before + m0 + BLOCK)
+    if WINDOW:  # every block masked
+        start = gl.maximum(before + m0 - window + 1, 0) // BLOCK * BLOCK
+        whole = start
+    else:  # blocks every query of the tile sees whole, then the diagonal's
+        start = 0
+        whole = (before + m0 + 1) // BLOCK * BLOCK
+    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)
+    return q0, n_q, k0, n_k, m0, start, whole, count
+
+
+@gluon.jit
+def _block_softmax(s, m_i, l_i, n, whole, pos, n_k, scale, window, WINDOW: gl.constexpr, layout: gl.constexpr):
+    """Keys n .. n + BLOCK - 1 of the segment (scores s): probabilities, the new max and sum, and alpha (what the
+    output so far is multiplied by)."""
+    if n >= whole:  # (the diagonal's blocks, the segment's end and the window)
+        keys = n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout))
+        allowed = (keys[None, :] <= pos[:, None]) & (keys < n_k)[None, :]
+        if WINDOW:
+            allowed = allowed & (pos[:, None] - keys[None, :] < window)
+        s = gl.where(allowed, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    p = gl.exp2(s * scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _load_block(k_desc, v_desc, bars, k_smem, v_smem, b, count, first, col):
+    """Block b's keys and values (rows first + b * BLOCK) into buffer b % STAGES; nothing past the last block."""
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    st = b % STAGES
+    ok = b < count
+    mbarrier.expect(bars.index(st), 2 * k_desc.block_type.nbytes, pred=ok)
+    _tma_load(k_desc, [first + b * BLOCK, col], bars.index(st), k_smem.index(st), pred=ok)
+    _tma_load(v_desc, [first + b * BLOCK, col], bars.index(st), v_smem.index(st), pred=ok)
+
+
+@gluon.jit
+def _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, layout: gl.constexpr):
+    """Rows r0 .. of the segment's output (acc / l_i) and their log-sum-exp (FlashAttention's layout: [heads, Tq])."""
+    rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    at = (q0 + rows).to(gl.int64)
+    d = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :],
+             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < n_q)[:, None])
+    gl.store(lse_ptr + head.to(gl.int64) * total_q + at, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < n_q)
+
+
+@gluon.jit
+def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
+                    stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    segment = gl.program_id(0) // q_blocks
+    block = q_blocks - 1 - gl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
+    head = gl.program_id(1)
+    q0, n_q, k0, n_k, m0, start, whole, count = _tile(cu_q, cu_k, segment, block, window, BLOCK, WINDOW)
+    if count > 0:
+        col = (head // group) * D
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            _load_block(k_desc, v_desc, bars, k_smem, v_smem, i, count, k0 + start, col)
+
+        rows = m0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, io))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        at = (q0 + rows).to(gl.int64)
+        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
+                    other=0.0)
+        q_smem = gl.allocate_shared_memory(q.dtype, [BLOCK, D], k_desc.layout, q)
+        fence_async_shared()
+
+        pos = n_k - n_q + m0 + gl.arange(0, BLOCK, layout=rows_of)
+        zero = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
+        mbarrier.wait(bars.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        m_i = gl.full([BLOCK], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
+        l_i = gl.zeros([BLOCK], gl.float32, rows_of)
+        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
+        acc = gl.zeros([BLOCK, D], gl.float32, mma)
+        for j in range(0, count - 1):
+            nxt = j + 1
+            mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+            p_op = gl.convert_layout(p.to(q.dtype), operand)
+            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
+            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
+                                                WINDOW, mma)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            acc = acc * alpha[:, None]
+            _load_block(k_desc, v_desc, bars, k_smem, v_smem, j + STAGES, count, k0 + start, col)
+        p_op = gl.convert_layout(p.to(q.dtype), operand)
+        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, m0, head, total_q, stride_ot, stride_oh, mma)
+
+
+@gluon.jit
+def _pingpong_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, count, first, col):
+    """The pingpong kernel's loads (one warp): block b into buffer b % STAGES once both halves released its last
+    use. (A partition's arguments arrive as values: sizes come from the buffers' shapes.)"""
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    for b in range(count):
+        st = b % STAGES
+        mbarrier.wait(empty.index(st), ((b // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase: passes)
+        mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [first + b * BLOCK, col], ready.index(st), k_smem.index(st))
+        _tma_load(v_desc, [first + b * BLOCK, col], ready.index(st), v_smem.index(st))
+
+
+@gluon.jit
+def _pingpong_half(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, n_k, start,
+                   whole, count, scale, window, head, total_q, stride_qt, stride_qh, stride_ot, stride_oh,
+                   WINDOW: gl.constexpr):
+    """One warpgroup's half of the tile (rows m0 + half * HALF ..): the overlap kernel's loop, its products issued in
+    turns with the other half's."""
+    HALF: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK: gl.constexpr = k_smem.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    if count > 0:
+        r0 = m0 + half * HALF
+        rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, io))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        at = (q0 + rows).to(gl.int64)
+        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
+                    other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        pos = n_k - n_q + r0 + gl.arange(0, HALF, layout=rows_of)
+        zero = gl.zeros([HALF, BLOCK], gl.float32, mma)
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        m_i = gl.full([HALF], -1.0e38, gl.float32, rows_of)
+        l_i = gl.zeros([HALF], gl.float32, rows_of)
+        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
+        acc = gl.zeros([HALF, D], gl.float32, mma)
+        for j in range(0, count - 1):
+            nxt = j + 1
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            mbarrier.wait(turn.index(half), j & 1)  # this half's turn on the tensor cores
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+            p_op = gl.convert_layout(p.to(q.dtype), operand)
+            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - half))  # the other half's turn
+            s = warpgroup_mma_wait(1, deps=(s,))
+            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
+                                                WINDOW, mma)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(empty.index(j % STAGES))  # (this half is done with block j)
+            acc = acc * alpha[:, None]
+        p_op = gl.convert_layout(p.to(q.dtype), operand)
+        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(empty.index((count - 1) % STAGES))
+        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
+        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
+
+
+@gluon.jit
+def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
+                     stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    segment = gl.program_id(0) // q_blocks
+    block = q_blocks - 1 - gl.program_id(0) % q_blocks
+    head = gl.program_id(1)
+    q0, n_q, k0, n_k, m0, start, whole, count = _tile(cu_q, cu_k, segment, block, window, BLOCK, WINDOW)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0))  # (the first half goes first)
+    common = (ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, n_k, start, whole, count, scale, window, head, total_q,
+              stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
+    gl.warp_specialize([
+        (_pingpong_half, (0, q_ptr, q_smem.index(0), k_smem, v_smem) + common),
+        (_pingpong_half, (1, q_ptr, q_smem.index(1), k_smem, v_smem) + common),
+        (_pingpong_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, count, k0 + start, (head // group) * D)),
+    ], [4, 1], [240, 24])
+
+
+def descriptor_layout(dtype: torch.dtype):
+    """The shared-memory layout a block of BLOCK keys (or values) of a head lands in (wgmma's swizzle)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD], _DTYPES[dtype])
+
+
+def descriptors(k: torch.Tensor, v: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Keys and values as TMA descriptors of their [keys, heads x 128] matrices, read BLOCK keys of a head at a time."""
+    layout = descriptor_layout(k.dtype)
+    return tuple(TensorDescriptor.from_tensor(x.view(x.shape[0], -1), [BLOCK, HEAD], layout) for x in (k, v))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+              scale: float, window: int | None, form: str = "overlap") -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_attention._launch's forward (out, lse; no schedule) by one of FORMS. Heads as `usable` says."""
+    t, heads, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
+    k_desc, v_desc = descriptors(k.contiguous(), v.contiguous())
+    q_blocks = triton.cdiv(max(max_q, 1), BLOCK)
+    kernel = _pingpong_kernel if form == "pingpong" else _overlap_kernel
+    kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
+        q, k_desc, v_desc, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1],
+        q_blocks, t, q.stride(0), q.stride(1), out.stride(0), out.stride(1), WINDOW=bool(window), STAGES=STAGES,
+        num_warps=FORMS[form])
+    return out, lse
+
+
+def compile_sm90(form: str = "overlap", window: bool = False):
+    """The kernel of this form for bf16 heads built for sm_90a, here, with no GPU (Triton's compiled kernel: its PTX,
+    shared memory; benchmarks/compile_sm90.py prints ptxas's registers and spills)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = _pingpong_kernel if form == "pingpong" else _overlap_kernel
+    desc = f"tensordesc<bf16[{BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
+    const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form])
+    sig = {n: "constexpr" if n in const else desc if n.endswith("_desc") else "fp32" if n == "scale"
+           else "*i32" if n.startswith("cu_") else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr")
+           else "i32" for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n == "total_q"}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=FORMS[form], enable_fp_fusion=True))
