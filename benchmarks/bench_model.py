@@ -25,6 +25,7 @@ from bench_moe import device_gaps, host_waits  # the same directory
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
+from ppo_logprobs.workers.models import causal_attention as ca
 from ppo_logprobs.workers.models.fuse_body import fuse_body, unfuse_body
 from ppo_logprobs.workers.models.patch_model import allow_split_k
 
@@ -181,7 +182,12 @@ def main() -> None:
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
+    parser.add_argument("--gluon", choices=["overlap", "pingpong"],
+                        help="attention at heads over 64 by this form of hopper_attention.py's kernel (Tiles.gluon), "
+                        "not the default tiling (Hopper; issue 41)")
     args = parser.parse_args()
+    if args.gluon:  # (the process's tiling table, which every forward here reads)
+        ca._WIDE = (ca._WIDE[0]._replace(gluon=args.gluon), *ca._WIDE[1:])
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)
@@ -193,8 +199,11 @@ def main() -> None:
     patch_model(model, backend=backend)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    results, meta = [], dict(date=time.strftime("%Y-%m-%d"), device=device, torch=torch.__version__)
+    results, meta = [], dict(date=time.strftime("%Y-%m-%d"), device=device, torch=torch.__version__,
+                             options={k: v for k, v in vars(args).items()
+                                      if v != parser.get_default(k) and k != "out"})
     if device == "cuda":
+        meta["attention_tiles"] = ca._tiles(128, dtype)._asdict()
         meta["gpu"] = torch.cuda.get_device_name()
         meta["model_bytes"] = torch.cuda.memory_allocated()
     print(f"# {meta}", flush=True)
@@ -286,6 +295,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
+    print(f"options: {meta['options'] or 'the defaults'}")
     print(f"{'case':>6} {'impl':>34} {'tokens/s':>10} {'extra GiB':>10}")
     for r in results:
         print(f"{r['case']:>6} {r['impl']:>34} {r['tokens_per_s']:10.0f} {r['extra_gib']:10.2f}")
