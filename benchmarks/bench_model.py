@@ -76,7 +76,7 @@ def profile(fn, device: str, layers: int) -> dict:
     fn()
     sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=True) as prof:
         fn()
         sync(device)
     kinds: dict[str, float] = {}
@@ -98,11 +98,51 @@ def profile(fn, device: str, layers: int) -> dict:
     top = dict(sorted(names.items(), key=lambda x: -x[1])[:12])
     for name, ms in top.items():
         print(f"{'':>8}{name:>60} {ms:8.2f} ms")
-    result = dict(total_ms=total, wall_ms=wall, idle_ms=wall - total, layers=layers, by_kind=kinds, kernels_top=top)
+    result = dict(total_ms=total, wall_ms=wall, idle_ms=wall - total, layers=layers, by_kind=kinds, kernels_top=top,
+                  gemms=gemm_shapes(prof, device))
     if device == "cuda":
         result["gaps"] = device_gaps(prof)
         result["host_waits"] = host_waits(fn)
     return result
+
+
+def gemm_shapes(prof, device: str) -> list[dict]:
+    """The profiled call's matrix products by shape (aten::mm and aten::addmm, from the profiler's input shapes):
+    calls, time and TFLOP/s in the call, beside the floor: a plain torch.mm of the same shape (a weight's transposed
+    view, no bias) timed here, at this process's cuBLAS settings (the invariant mode's: cuBLASLt, no split sums) and
+    at cuBLAS's defaults. Printed as a table and returned."""
+    from bench_moe import ms_timer
+
+    time_ms = ms_timer(device == "cuda", rep=50)
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        matrices = [s for s in e.input_shapes if len(s) == 2][:2] if e.key in ("aten::mm", "aten::addmm") else []
+        if len(matrices) < 2:
+            continue
+        (m, k), (_, n) = matrices
+        us = e.device_time_total if device == "cuda" else e.cpu_time_total
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        a, w = torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype)
+        floors = {}
+        for name, split in (("invariant", False), ("cuBLAS defaults", True)):
+            if device == "cuda":
+                allow_split_k(split)
+            floors[name] = time_ms(lambda a=a, w=w: torch.mm(a, w.t()))
+        if device == "cuda":
+            allow_split_k(False)  # (the patched model's mode)
+        flop = 2 * m * k * n
+        rows.append(dict(op=e.key, m=m, k=k, n=n, calls=e.count, ms=us / 1e3,
+                         tflops=flop * e.count / us / 1e6 if us else None,
+                         floor_ms={name: ms * e.count for name, ms in floors.items()},
+                         floor_tflops={name: flop / ms / 1e9 for name, ms in floors.items()}))
+        del a, w
+    print(f"{'GEMM (M x K x N)':>28} {'calls':>5} {'ms':>8} {'TF/s':>6} {'mm ms':>8} {'mm TF/s':>7} "
+          f"{'default TF/s':>12}")
+    for r in sorted(rows, key=lambda r: -r["ms"]):
+        print(f"{r['op'] + ' ' + str(r['m']) + 'x' + str(r['k']) + 'x' + str(r['n']):>28} {r['calls']:5d} "
+              f"{r['ms']:8.2f} {r['tflops'] or 0:6.1f} {r['floor_ms']['invariant']:8.2f} "
+              f"{r['floor_tflops']['invariant']:7.1f} {r['floor_tflops']['cuBLAS defaults']:12.1f}")
+    return rows
 
 
 def sync(device: str) -> None:
