@@ -109,17 +109,75 @@ def _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_o
 
 
 @gluon.jit
+def _attend(half, q_ptr, q_smem, k_desc, v_desc, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0,
+            k0, n_k, start, whole, count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot,
+            stride_oh, WINDOW: gl.constexpr, PINGPONG: gl.constexpr):
+    """Rows m0 + half * ROWS .. of the tile (ROWS: q_smem's, a warp group for each 64) over its key blocks in order:
+    the next block's scores and this block's P V issued, a wait for the scores alone, their softmax while P V runs.
+    PINGPONG: the products are issued in turns with the other half's (`turn`), and the blocks, loaded by a warp of
+    their own, are released through `empty`; else this program refills the ring itself. (Sizes come from the
+    buffers' shapes: a partition's arguments arrive as values.)"""
+    ROWS: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK: gl.constexpr = k_smem.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                  instr_shape=[16, BLOCK, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [ROWS // 16, 1], [1, 0])
+    if count > 0:
+        r0 = m0 + half * ROWS
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io))
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
+        at = (q0 + rows).to(gl.int64)
+        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
+                    other=0.0)
+        q_smem.store(q)
+        fence_async_shared()
+        pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
+        zero = gl.zeros([ROWS, BLOCK], gl.float32, mma)
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
+        l_i = gl.zeros([ROWS], gl.float32, rows_of)
+        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
+        acc = gl.zeros([ROWS, D], gl.float32, mma)
+        for j in range(0, count - 1):
+            nxt = j + 1
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(half), j & 1)  # this half's turn on the tensor cores
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+            p_op = gl.convert_layout(p.to(q.dtype), operand)
+            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - half))  # the other half's turn
+            s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
+            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
+                                                WINDOW, mma)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            if PINGPONG:
+                mbarrier.arrive(empty.index(j % STAGES))  # (this half is done with block j)
+            else:
+                _load_block(k_desc, v_desc, ready, k_smem, v_smem, j + STAGES, count, k0 + start, col)
+            acc = acc * alpha[:, None]
+        p_op = gl.convert_layout(p.to(q.dtype), operand)
+        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        if PINGPONG:
+            mbarrier.arrive(empty.index((count - 1) % STAGES))
+        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
+        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
+
+
+@gluon.jit
 def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
                     stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
                     num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                  instr_shape=[16, BLOCK, 16])
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-
     segment = gl.program_id(0) // q_blocks
     block = q_blocks - 1 - gl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
     head = gl.program_id(1)
@@ -128,53 +186,23 @@ def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, 
         col = (head // group) * D
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, D], k_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(STAGES):
             _load_block(k_desc, v_desc, bars, k_smem, v_smem, i, count, k0 + start, col)
-
-        rows = m0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, io))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
-        at = (q0 + rows).to(gl.int64)
-        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
-                    other=0.0)
-        q_smem = gl.allocate_shared_memory(q.dtype, [BLOCK, D], k_desc.layout, q)
-        fence_async_shared()
-
-        pos = n_k - n_q + m0 + gl.arange(0, BLOCK, layout=rows_of)
-        zero = gl.zeros([BLOCK, BLOCK], gl.float32, mma)
-        mbarrier.wait(bars.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        m_i = gl.full([BLOCK], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
-        l_i = gl.zeros([BLOCK], gl.float32, rows_of)
-        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
-        acc = gl.zeros([BLOCK, D], gl.float32, mma)
-        for j in range(0, count - 1):
-            nxt = j + 1
-            mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
-            p_op = gl.convert_layout(p.to(q.dtype), operand)
-            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
-            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
-                                                WINDOW, mma)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            acc = acc * alpha[:, None]
-            _load_block(k_desc, v_desc, bars, k_smem, v_smem, j + STAGES, count, k0 + start, col)
-        p_op = gl.convert_layout(p.to(q.dtype), operand)
-        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        _attend(0, q_ptr, q_smem, k_desc, v_desc, k_smem, v_smem, bars, bars, bars, out_ptr, lse_ptr, q0, n_q, m0, k0,
+                n_k, start, whole, count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot,
+                stride_oh, WINDOW, False)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, m0, head, total_q, stride_ot, stride_oh, mma)
 
 
 @gluon.jit
 def _pingpong_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, count, first, col):
     """The pingpong kernel's loads (one warp): block b into buffer b % STAGES once both halves released its last
-    use. (A partition's arguments arrive as values: sizes come from the buffers' shapes.)"""
+    use."""
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.shape[0]
     for b in range(count):
@@ -183,60 +211,6 @@ def _pingpong_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, count, first, 
         mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
         _tma_load(k_desc, [first + b * BLOCK, col], ready.index(st), k_smem.index(st))
         _tma_load(v_desc, [first + b * BLOCK, col], ready.index(st), v_smem.index(st))
-
-
-@gluon.jit
-def _pingpong_half(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, n_k, start,
-                   whole, count, scale, window, head, total_q, stride_qt, stride_qh, stride_ot, stride_oh,
-                   WINDOW: gl.constexpr):
-    """One warpgroup's half of the tile (rows m0 + half * HALF ..): the overlap kernel's loop, its products issued in
-    turns with the other half's."""
-    HALF: gl.constexpr = q_smem.shape[0]
-    D: gl.constexpr = q_smem.shape[1]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK: gl.constexpr = k_smem.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK, 16])
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    if count > 0:
-        r0 = m0 + half * HALF
-        rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, io))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
-        at = (q0 + rows).to(gl.int64)
-        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
-                    other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-        pos = n_k - n_q + r0 + gl.arange(0, HALF, layout=rows_of)
-        zero = gl.zeros([HALF, BLOCK], gl.float32, mma)
-        mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        m_i = gl.full([HALF], -1.0e38, gl.float32, rows_of)
-        l_i = gl.zeros([HALF], gl.float32, rows_of)
-        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
-        acc = gl.zeros([HALF, D], gl.float32, mma)
-        for j in range(0, count - 1):
-            nxt = j + 1
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            mbarrier.wait(turn.index(half), j & 1)  # this half's turn on the tensor cores
-            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
-            p_op = gl.convert_layout(p.to(q.dtype), operand)
-            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - half))  # the other half's turn
-            s = warpgroup_mma_wait(1, deps=(s,))
-            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
-                                                WINDOW, mma)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index(j % STAGES))  # (this half is done with block j)
-            acc = acc * alpha[:, None]
-        p_op = gl.convert_layout(p.to(q.dtype), operand)
-        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(empty.index((count - 1) % STAGES))
-        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
-        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
 
 
 @gluon.jit
@@ -249,6 +223,7 @@ def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale,
     block = q_blocks - 1 - gl.program_id(0) % q_blocks
     head = gl.program_id(1)
     q0, n_q, k0, n_k, m0, start, whole, count = _tile(cu_q, cu_k, segment, block, window, BLOCK, WINDOW)
+    col = (head // group) * D
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
@@ -261,12 +236,12 @@ def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale,
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.arrive(turn.index(0))  # (the first half goes first)
-    common = (ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, n_k, start, whole, count, scale, window, head, total_q,
-              stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
+    common = (k_desc, v_desc, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, k0, n_k, start, whole,
+              count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW, True)
     gl.warp_specialize([
-        (_pingpong_half, (0, q_ptr, q_smem.index(0), k_smem, v_smem) + common),
-        (_pingpong_half, (1, q_ptr, q_smem.index(1), k_smem, v_smem) + common),
-        (_pingpong_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, count, k0 + start, (head // group) * D)),
+        (_attend, (0, q_ptr, q_smem.index(0)) + common),
+        (_attend, (1, q_ptr, q_smem.index(1)) + common),
+        (_pingpong_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, count, k0 + start, col)),
     ], [4, 1], [240, 24])
 
 
