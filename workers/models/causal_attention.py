@@ -30,11 +30,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting, persistent_programs
 
-try:  # (Gluon, Hopper's kernels: Triton 3.6 and later)
-    from . import hopper_attention
-except ImportError:
-    hopper_attention = None
-
 MAX_HEAD = 128  # larger heads keep FlashAttention's kernel (varlen_attention.attend)
 
 
@@ -46,7 +41,7 @@ class Tiles(NamedTuple):
     fused: bool = False  # scale and max subtracted in one FMA, the mask applied after exp2 (see _key_block)
     tma: bool = False  # keys and values read by the copy engine (Hopper and later; see _launch)
     # one of hopper_attention.FORMS: its Gluon kernel where it runs (Hopper, heads of 128, no schedule), the rest by
-    # this tiling, which gives the same bits (128 x 128, fused)
+    # this tiling, which gives the same bits (128 x 128, fused; tile_span: the same key blocks)
     gluon: str = ""
 
 
@@ -75,6 +70,16 @@ def tiles_for(head: int, dtype: torch.dtype, room: int | None) -> Tiles:
     d = triton.next_power_of_2(head)  # (its stages of keys and values, and the queries)
     return next((t for t in _WIDE if room is None or (2 * t.num_stages * t.block_n + t.block_m) * d * 2 <= room),
                 _WIDE[-1])
+
+
+@functools.cache
+def hopper_kernels():
+    """hopper_attention (Tiles.gluon's kernels), or None where this Triton has no Gluon (before 3.6)."""
+    try:
+        from . import hopper_attention
+    except ImportError:
+        return None
+    return hopper_attention
 
 
 @functools.cache
@@ -129,18 +134,36 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
 
 
 @triton.jit
+def tile_span(cu_q, cu_k, segment, block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              WINDOW: tl.constexpr):
+    """Where tile `block` of a segment reads (also hopper_attention.py's kernels, so that both read the same key
+    blocks): the segment's first query and query count, its first key and key count, the tile's first query (at or
+    past the count: nothing to do), the first key of the blocks it reads, the first it masks (before it, every query
+    of the tile sees whole blocks), and the end of its keys."""
+    q0 = tl.load(cu_q + segment)
+    n_q = tl.load(cu_q + segment + 1) - q0
+    k0 = tl.load(cu_k + segment)
+    n_k = tl.load(cu_k + segment + 1) - k0
+    m0 = block * BLOCK_M
+    before = n_k - n_q  # keys ahead of the first query (a shared prefix)
+    end = tl.minimum(n_k, before + m0 + BLOCK_M)
+    if WINDOW:  # every block masked
+        start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        whole = start
+    else:  # blocks every query of the tile sees whole, then the diagonal's
+        start = 0
+        whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
+    return q0, n_q, k0, n_k, m0, start, whole, end
+
+
+@triton.jit
 def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, block, head, scale, window, group,
                  total_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED: tl.constexpr, TMA: tl.constexpr):
     """Queries block * BLOCK_M .. + BLOCK_M - 1 of a segment, one head (nothing where the segment is shorter)."""
-    q0 = tl.load(cu_q + segment)
-    n_q = tl.load(cu_q + segment + 1) - q0
-    m0 = block * BLOCK_M
+    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK_M, BLOCK_N, WINDOW)
     if m0 < n_q:
-        k0 = tl.load(cu_k + segment)
-        n_k = tl.load(cu_k + segment + 1) - k0
-        before = n_k - n_q  # keys ahead of the first query (a shared prefix)
         rows = m0 + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         row_ok = rows < n_q
@@ -152,17 +175,10 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q, cu_k, segment, blo
         else:
             k_at = k_ptr + k0.to(tl.int64) * stride_kt + (head // group) * stride_kh
             v_at = v_ptr + k0.to(tl.int64) * stride_vt + (head // group) * stride_vh
-        pos = before + rows
+        pos = n_k - n_q + rows
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)  # (finite: a block a query sees nothing of changes nothing)
-        end = tl.minimum(n_k, before + m0 + BLOCK_M)
-        if WINDOW:  # every block masked
-            start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-            whole = start
-        else:  # blocks every query of the tile sees whole, then the diagonal's
-            start = 0
-            whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
         for n in range(start, whole, BLOCK_N):
             acc, l_i, m_i = _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_kt,
                                        stride_vt, k0, (head // group) * D, D, BLOCK_N, BLOCK_D, False, WINDOW,
@@ -237,8 +253,8 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
             window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
     tiles = tiles or _tiles(d, q.dtype, q.device)
-    if tiles.gluon and plan is None and hopper_attention and hopper_attention.usable(q, k):
-        return hopper_attention.attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles.gluon)
+    if tiles.gluon and plan is None and (hopper := hopper_kernels()) and hopper.usable(q, k):
+        return hopper.attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles.gluon)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1])

@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .causal_attention import tile_span
+
 BLOCK, HEAD, STAGES = 128, 128, 3
 FORMS = {"overlap": 8, "pingpong": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -45,28 +47,6 @@ def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The kernels run these heads here: a Hopper GPU, heads of 128, bf16 or fp16."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD
             and q.dtype in _DTYPES and k.dtype == q.dtype)
-
-
-@gluon.jit
-def _tile(cu_q, cu_k, segment, block, window, BLOCK: gl.constexpr, WINDOW: gl.constexpr):
-    """Where tile `block` of a segment reads: its first query and the segment's queries, its first key and the
-    segment's keys, its first query's index, the first key block it reads, the first it masks, and how many blocks
-    it reads (0: a tile past the segment's end)."""
-    q0 = gl.load(cu_q + segment)
-    n_q = gl.load(cu_q + segment + 1) - q0
-    k0 = gl.load(cu_k + segment)
-    n_k = gl.load(cu_k + segment + 1) - k0
-    m0 = block * BLOCK
-    before = n_k - n_q  # (keys ahead of the first query: a shared prefix)
-    end = gl.minimum(n_k, before + m0 + BLOCK)
-    if WINDOW:  # every block masked
-        start = gl.maximum(before + m0 - window + 1, 0) // BLOCK * BLOCK
-        whole = start
-    else:  # blocks every query of the tile sees whole, then the diagonal's
-        start = 0
-        whole = (before + m0 + 1) // BLOCK * BLOCK
-    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)
-    return q0, n_q, k0, n_k, m0, start, whole, count
 
 
 @gluon.jit
@@ -181,7 +161,8 @@ def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, 
     segment = gl.program_id(0) // q_blocks
     block = q_blocks - 1 - gl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
     head = gl.program_id(1)
-    q0, n_q, k0, n_k, m0, start, whole, count = _tile(cu_q, cu_k, segment, block, window, BLOCK, WINDOW)
+    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
+    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)  # (key blocks it reads)
     if count > 0:
         col = (head // group) * D
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
@@ -222,7 +203,8 @@ def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale,
     segment = gl.program_id(0) // q_blocks
     block = q_blocks - 1 - gl.program_id(0) % q_blocks
     head = gl.program_id(1)
-    q0, n_q, k0, n_k, m0, start, whole, count = _tile(cu_q, cu_k, segment, block, window, BLOCK, WINDOW)
+    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
+    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)  # (key blocks it reads)
     col = (head // group) * D
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
@@ -268,7 +250,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
         q, k_desc, v_desc, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1],
         q_blocks, t, q.stride(0), q.stride(1), out.stride(0), out.stride(1), WINDOW=bool(window), STAGES=STAGES,
-        num_warps=FORMS[form])
+        num_warps=FORMS[form], enable_fp_fusion=True)  # (FMAs where the fused tiling has them: its bits)
     return out, lse
 
 

@@ -18,7 +18,7 @@ from ppo_logprobs.workers.models.causal_attention import (
     _tiles,
     block_m,
     causal_attention,
-    hopper_attention,
+    hopper_kernels,
     schedule,
     tiles_for,
 )
@@ -182,7 +182,7 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
 
 
-@pytest.mark.skipif(hopper_attention is None, reason="this Triton has no Gluon")
+@pytest.mark.skipif(hopper_kernels() is None, reason="this Triton has no Gluon")
 def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_products():
     """Both forms compile for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter), fit a
     Hopper program's 227 KiB of shared memory, and wait for one wgmma group while another is in flight (the softmax
@@ -199,7 +199,7 @@ def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_pro
         assert int(shared) <= 232448 and overlapped == "True", (form, shared, overlapped)
 
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper_attention is not None
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper_kernels() is not None
 
 
 @pytest.mark.gpu
