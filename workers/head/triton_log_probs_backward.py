@@ -108,6 +108,7 @@ def triton_log_probs_backward(
             DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=use_tma, GROUP_R=cfg.group_r,
             BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,
         )
         d_chunk = d_logits[:, :vc]  # [N, vc]
         if d_hidden is not None:

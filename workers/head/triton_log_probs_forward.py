@@ -433,7 +433,7 @@ def group_schedule(counts: Tensor, rows: int, block_m: int) -> tuple[Tensor, Ten
     bins = triton.next_power_of_2(len(counts))
     tiles = max(1, min(128, 8192 // bins))
     _schedule_kernel[(triton.cdiv(programs, tiles),)](counts, group, start, end, len(counts), programs,
-                                                      BLOCK_M=block_m, BINS=bins, TILES=tiles)
+                                                      BLOCK_M=block_m, BINS=bins, TILES=tiles, enable_fp_fusion=True)
     return group, start, end
 
 
@@ -539,6 +539,7 @@ def triton_log_probs_forward(
         CANDIDATES=candidates is not None, GROUP_R=cfg.group_r,
         BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=True,
     )
     top_tiles = pair_keys = pair_rest = pair_count = label_logit
     if top_k:  # each row's k_tiles tiles of largest maxima; those that may hold more of its top k again, by tile
@@ -559,6 +560,7 @@ def triton_log_probs_forward(
             SOFTCAP=softcap is not None, EVEN_H=h % cfg.block_h == 0, DOT_PRECISION=dot_precision(hidden.dtype),
             TOP_K=width, EVERY=k_tiles < top_k, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,
         )
     log_probs, lse = torch.empty(2, n, **f32)
     entropy = torch.empty(n, **f32) if compute_entropy else None
@@ -571,5 +573,6 @@ def triton_log_probs_forward(
         extras.tail_log_prob if top_k else lse, top_k, cand_ids, cand_out, num_candidates,
         COMPUTE_ENTROPY=compute_entropy, TOP_K=width,
         CANDIDATES=candidates is not None, BLOCK_V=cfg.block_v, BLOCK=block, TILES=16,
+        enable_fp_fusion=True,
     )
     return log_probs, entropy, lse, extras

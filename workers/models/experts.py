@@ -87,9 +87,9 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int, backend: str = "torch"
         order, source, position = torch.empty(3, len(flat), dtype=torch.int64, device=flat.device)
         counts = torch.empty(num_experts + 1, dtype=torch.int64, device=flat.device)
         flat = flat.contiguous()
-        _chunk_counts_kernel[(chunks,)](flat, hist, len(flat), CHUNK=_CHUNK, BINS=bins)
+        _chunk_counts_kernel[(chunks,)](flat, hist, len(flat), CHUNK=_CHUNK, BINS=bins, enable_fp_fusion=True)
         _place_kernel[(chunks,)](flat, hist, start, order, source, position, counts, len(flat), k, chunks,
-                                 GROUPS=num_experts + 1, CHUNK=_CHUNK, BINS=bins, num_warps=8)
+                                 GROUPS=num_experts + 1, CHUNK=_CHUNK, BINS=bins, num_warps=8, enable_fp_fusion=True)
         return Sorted(order, source, position, counts)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)

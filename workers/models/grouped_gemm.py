@@ -134,6 +134,7 @@ def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gate
         num_experts, w_rows, GATED=gated, GATHER=source is not None, X_TMA=x_tma, W_TMA=w_tma,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=dot_precision(x.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        enable_fp_fusion=True,
     )
     return out
 
@@ -239,7 +240,7 @@ class _Combine(torch.autograd.Function):
         out, position, weights = out.contiguous(), position.contiguous(), weights.contiguous()
         block_t, block_h = (16, 16) if interpreting() else (32, 128)
         _combine_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
-            out, position, weights, combined, t, h, K=k, BLOCK_T=block_t, BLOCK_H=block_h)
+            out, position, weights, combined, t, h, K=k, BLOCK_T=block_t, BLOCK_H=block_h, enable_fp_fusion=True)
         ctx.save_for_backward(out, position, weights)
         return combined
 

@@ -59,7 +59,7 @@ def _launch(x: Tensor, weight: Tensor, eps: float, style: Style) -> Tensor:
     per_program = max(1, 4096 // block)  # (fixed by H alone, as is the layout)
     grid = (triton.cdiv(rows.shape[0], per_program),)
     _rms_norm_kernel[grid](rows, weight.contiguous(), out, rows.shape[0], h, eps, GEMMA=style == "gemma",
-                           BLOCK_H=block, ROWS=per_program, num_warps=8 if block >= 4096 else 4)
+                           BLOCK_H=block, ROWS=per_program, num_warps=8 if block >= 4096 else 4, enable_fp_fusion=True)
     return out.view(*x.shape[:-1], h)
 
 

@@ -68,7 +68,7 @@ class _Route(torch.autograd.Function):
         block_t = max(1, min(64, 8192 // block_e))  # (fixed by the number of experts alone)
         _route_kernel[(triton.cdiv(t, block_t),)](logits, weights, index, t, e, K=k, RENORM=renormalize,
                                                   BLOCK_T=block_t, BLOCK_E=block_e,
-                                                  BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+                                                  BLOCK_K=triton.next_power_of_2(k), num_warps=4, enable_fp_fusion=True)
         ctx.save_for_backward(logits, index)
         ctx.renormalize, ctx.dtype = renormalize, dtype
         ctx.mark_non_differentiable(index)

@@ -30,7 +30,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def _launch(gate: Tensor, up: Tensor) -> Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    _silu_mul_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK, num_warps=8)
+    _silu_mul_kernel[(triton.cdiv(gate.numel(), _BLOCK),)](gate, up, out, gate.numel(), BLOCK=_BLOCK, num_warps=8,
+                                                            enable_fp_fusion=True)
     return out
 
 
