@@ -29,6 +29,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, interpreting, persistent_programs
+from .key_blocks import tile_span
 
 MAX_HEAD = 128  # larger heads keep FlashAttention's kernel (varlen_attention.attend)
 
@@ -41,7 +42,7 @@ class Tiles(NamedTuple):
     fused: bool = False  # scale and max subtracted in one FMA, the mask applied after exp2 (see _key_block)
     tma: bool = False  # keys and values read by the copy engine (Hopper and later; see _launch)
     # one of hopper_attention.FORMS: its Gluon kernel where it runs (Hopper, heads of 128, no schedule), the rest by
-    # this tiling, which gives the same bits (128 x 128, fused; tile_span: the same key blocks)
+    # this tiling, which gives the same bits (128 x 128, fused; key_blocks.tile_span: the same blocks)
     gluon: str = ""
 
 
@@ -131,29 +132,6 @@ def _key_block(acc, l_i, m_i, q, k_at, v_at, n, pos, n_k, scale, window, stride_
         v = tl.load(v_at + keys[:, None].to(tl.int64) * stride_v + d[None, :], mask=inside, other=0.0)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def tile_span(cu_q, cu_k, segment, block, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW: tl.constexpr):
-    """Where tile `block` of a segment reads (also hopper_attention.py's kernels, so that both read the same key
-    blocks): the segment's first query and query count, its first key and key count, the tile's first query (at or
-    past the count: nothing to do), the first key of the blocks it reads, the first it masks (before it, every query
-    of the tile sees whole blocks), and the end of its keys."""
-    q0 = tl.load(cu_q + segment)
-    n_q = tl.load(cu_q + segment + 1) - q0
-    k0 = tl.load(cu_k + segment)
-    n_k = tl.load(cu_k + segment + 1) - k0
-    m0 = block * BLOCK_M
-    before = n_k - n_q  # keys ahead of the first query (a shared prefix)
-    end = tl.minimum(n_k, before + m0 + BLOCK_M)
-    if WINDOW:  # every block masked
-        start = tl.maximum(before + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-        whole = start
-    else:  # blocks every query of the tile sees whole, then the diagonal's
-        start = 0
-        whole = (before + m0 + 1) // BLOCK_N * BLOCK_N
-    return q0, n_q, k0, n_k, m0, start, whole, end
 
 
 @triton.jit

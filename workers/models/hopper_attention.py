@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .causal_attention import tile_span
+from .key_blocks import tile_span
 
 BLOCK, HEAD, STAGES = 128, 128, 3
 FORMS = {"overlap": 8, "pingpong": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
