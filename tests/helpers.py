@@ -101,10 +101,15 @@ def example(name: str):
     return module
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
     """A loopback port free now, below the kernel's range of ports for outgoing connections and above Ray's worker
     ports (10002-19999): a port the kernel handed out could be given to another process's outgoing connection before
-    the server meant to bind it does (HAProxy once failed to start so, its port taken by one of Ray's connections)."""
+    the server meant to bind it does (HAProxy once failed to start so, its port taken by one of Ray's connections).
+    Never one it gave before in this process: a test that asks for several (HAProxy's listener, metrics and stats)
+    binds them only later, and two equal ones would fail the second bind."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
@@ -117,6 +122,8 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free loopback port in 20000-{low - 1}")
 

@@ -75,11 +75,12 @@ def tiles_for(head: int, dtype: torch.dtype, room: int | None) -> Tiles:
 
 @functools.cache
 def hopper_kernels():
-    """hopper_attention (Tiles.gluon's kernels), or None where this Triton has no Gluon (before 3.6)."""
-    try:
-        from . import hopper_attention
-    except ImportError:
+    """hopper_attention (Tiles.gluon's kernels), or None before Triton 3.6 (built and checked on 3.6 and 3.9; earlier
+    Gluons name its operations otherwise or lack them)."""
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 6):
         return None
+    from . import hopper_attention
+
     return hopper_attention
 
 

@@ -182,7 +182,7 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
 
 
-@pytest.mark.skipif(hopper_kernels() is None, reason="this Triton has no Gluon")
+@pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
 def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_products():
     """Both forms compile for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter), fit a
     Hopper program's 227 KiB of shared memory, and wait for one wgmma group while another is in flight (the softmax
@@ -203,7 +203,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and a Triton with Gluon)")
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
 @pytest.mark.parametrize("form", ["overlap", "pingpong"])
 @pytest.mark.parametrize("window", [None, 100, 333])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
