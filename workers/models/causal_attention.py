@@ -244,7 +244,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
                  WINDOW=bool(window), DOT_PRECISION=dot_precision(q.dtype), FUSED=tiles.fused,
                  TMA=tiles.tma and all(x.stride(1) == d and x.stride(0) * x.element_size() % 16 == 0
                                        and x.data_ptr() % 16 == 0 for x in (k, v)),
-                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=tiles.fused)
+                 num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     keys, values = k, v
     if sizes["TMA"]:  # [keys, heads x D] each, read BLOCK_N x BLOCK_D at a time
         keys, values = (TensorDescriptor.from_tensor(x.view(x.shape[0], -1), [tiles.block_n, sizes["BLOCK_D"]])
@@ -252,11 +252,13 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
     if plan is None:
         q_blocks = triton.cdiv(max(max_q, 1), tiles.block_m)
         _attention_kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
-            q, keys, values, out, lse, cu_q, cu_k, *common, q_blocks, t, *strides, **sizes)
+            q, keys, values, out, lse, cu_q, cu_k, *common, q_blocks, t, *strides, **sizes,
+            enable_fp_fusion=tiles.fused)
     else:
         programs = min(persistent_programs(q.device), plan.segment.shape[0] * heads)
         _scheduled_attention_kernel[(programs,)](
-            q, keys, values, out, lse, cu_q, cu_k, *plan, *common, heads, t, *strides, **sizes)
+            q, keys, values, out, lse, cu_q, cu_k, *plan, *common, heads, t, *strides, **sizes,
+            enable_fp_fusion=tiles.fused)
     return out, lse
 
 
