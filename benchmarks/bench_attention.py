@@ -83,15 +83,16 @@ def suffix_bits_differ(q, k, v, n: int, d: int, tiles=None, launch=None) -> int:
 
 
 def gluon_check(time_ms, forms: list[str]) -> None:
-    """workers/models/hopper_attention.py's forms (Tiles.gluon, Hopper) against the default tiling on each case: time,
-    the largest difference, queries with the same bits, queries whose bits differ as suffixes; then against float64
-    on small segments (with keys shared ahead of two of them), grouped heads, with and without a window."""
-    default = ca._tiles(128, torch.bfloat16)
+    """workers/models/hopper_attention.py's forms (Tiles.gluon, Hopper) against the Triton kernel at the same tiling on
+    each case: time, the largest difference, queries with the same bits, queries whose bits differ as suffixes; then
+    against float64 on small segments (with keys shared ahead of two of them), grouped heads, with and without a
+    window."""
+    default = ca._tiles(128, torch.bfloat16)._replace(gluon="")  # (the Triton kernel, whatever the default form)
     for name, (lengths, heads, kv_heads, d) in CASES.items():
         q, k, v, cu = row_of(lengths, heads, kv_heads, d, "cuda", torch.bfloat16)
         flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
-        ours = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None)[0]
-        ms = time_ms(lambda: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None))
+        ours = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default)[0]
+        ms = time_ms(lambda: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default))
         print(f"{name}: {default} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s)", flush=True)
         for form in forms:
             tiles = default._replace(gluon=form)
