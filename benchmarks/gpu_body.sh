@@ -31,8 +31,8 @@ if [[ $STAGES == *model* ]]; then
     | grep -v '^{' | grep -v -i warn | tail -16
 fi
 if [[ $STAGES == *profile* ]]; then
-  timeout 120 python3 bench_model.py --profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" \
-    | grep -v -i "warn\|USDT" | tail -24
+  timeout 200 python3 bench_model.py --profile --out "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" \
+    | grep -v -i "warn\|USDT" | tail -60
 fi
 if [[ $STAGES == *invariance* ]]; then
   [[ -d /tmp/q7 ]] || timeout 150 python3 bench_pool.py --save-random /tmp/q7 > "$OUT/save.log" 2>&1
