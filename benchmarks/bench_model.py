@@ -222,12 +222,12 @@ def main() -> None:
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
-    parser.add_argument("--gluon", choices=["overlap", "pingpong"],
-                        help="attention at heads over 64 by this form of hopper_attention.py's kernel (Tiles.gluon), "
-                        "not the default tiling (Hopper; issue 41)")
+    parser.add_argument("--gluon", choices=["none", "overlap", "pingpong"],
+                        help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
+                        "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
     args = parser.parse_args()
     if args.gluon:  # (the process's tiling table, which every forward here reads)
-        ca._WIDE = (ca._WIDE[0]._replace(gluon=args.gluon), *ca._WIDE[1:])
+        ca._WIDE = (ca._WIDE[0]._replace(gluon="" if args.gluon == "none" else args.gluon), *ca._WIDE[1:])
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)

@@ -47,9 +47,10 @@ class Tiles(NamedTuple):
 
 
 # 16-bit heads over 64, fastest first (bench_attention.py --sweep on an H100, 8 x 4096 tokens, 32 query and 4 key-value
-# heads of 128: 445, 405 TFLOP/s; with TMA the first ran 447): the first whose pipeline fits the device's shared memory
-# (224 KiB: Hopper and later; 128 KiB: the A100; 80 KiB: GPUs of 100 KiB such as the L40S)
-_WIDE = (Tiles(128, 128, 8, 3, fused=True), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2))
+# heads of 128: 445, 405 TFLOP/s; with TMA the first ran 447; its pingpong form on Hopper, hopper_attention.py, 527
+# with the same bits): the first whose pipeline fits the device's shared memory (224 KiB: Hopper and later; 128 KiB:
+# the A100; 80 KiB: GPUs of 100 KiB such as the L40S)
+_WIDE = (Tiles(128, 128, 8, 3, fused=True, gluon="pingpong"), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2))
 
 
 def _tiles(head: int, dtype: torch.dtype, device: torch.device | None = None) -> Tiles:
