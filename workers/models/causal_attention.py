@@ -5,7 +5,9 @@ cu_k[i]:cu_k[i + 1] of k and v): its last query sees every key, a shared prefix'
 heads are read in place. Each program takes BLOCK_M queries of one segment and head and walks their keys in blocks
 of BLOCK_N counted from the segment's first key, always in increasing order, with the softmax kept online in base 2.
 Inside a CUDA graph (graphs.py) the grid cannot follow the row: a fixed number of programs then walks the same tiles
-from a schedule computed on the device (`schedule`), each tile computed as the plain grid computes it.
+from a schedule computed on the device (`schedule`), each tile computed as the plain grid computes it. On Hopper,
+at heads of 128, the plain grid's tiles run in hopper_attention.py's Gluon kernel instead (Tiles.gluon): the same
+blocks and arithmetic on wgmma and TMA, with the same bits.
 
 A query's output depends only on its own segment: the key blocks it sums are aligned to the segment, not to the
 row, and do not change with the other segments or where the segment sits. Whether a block is masked changes no
