@@ -210,9 +210,9 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, window, dtype):
     """Segments of 1 to 1,100 tokens (ending inside a tile, on a tile's edge, one past it), two after shared keys,
-    grouped heads: the Gluon kernel's output and log-sum-exp have the bits of the 128 x 128 fused tiling (which runs
-    where it cannot: other GPUs' programs, tiles from a schedule), so a sequence's bits do not depend on which ran;
-    and each is within the oracle's tolerance."""
+    grouped heads: the Gluon kernel's output and log-sum-exp have the bits of the 128 x 128 fused tiling, on the
+    plain grid and from a schedule (the CUDA graphs' forward, which the Triton kernel runs), so a sequence's bits do
+    not depend on which ran; and each is within the oracle's tolerance."""
     q_lengths, k_lengths = (1, 127, 128, 129, 1100, 64, 200), (1, 127, 128, 129, 1100, 300, 333)
     q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=6, dtype=dtype, head_dim=128)
     tiles = Tiles(128, 128, 8, 3, fused=True)
@@ -220,4 +220,7 @@ def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, 
     want, want_lse = _launch(*args, tiles)
     out, lse = _launch(*args, tiles._replace(gluon=form))
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    plan = schedule(cu_q, 128, sum(-(-n // 128) for n in q_lengths) + 4)
+    walked, walked_lse = _launch(*args, tiles._replace(gluon=form), plan)
+    assert torch.equal(walked, out) and torch.equal(walked_lse, lse)
     torch.testing.assert_close(out.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=3e-2)
