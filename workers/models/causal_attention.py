@@ -235,7 +235,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: 
             window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
     tiles = tiles or _tiles(d, q.dtype, q.device)
-    if tiles.gluon and plan is None and (hopper := hopper_kernels()) and hopper.usable(q, k):
+    if tiles.gluon and plan is None and (hopper := hopper_kernels()) and hopper.usable(q, k, v):
         return hopper.attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles.gluon)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)

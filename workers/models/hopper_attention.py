@@ -43,10 +43,12 @@ _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The kernels run these heads here: a Hopper GPU, heads of 128, bf16 or fp16."""
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The kernels run these heads here: a Hopper GPU, heads of 128, bf16 or fp16, keys and values where the copy
+    engine can read them (16-byte aligned; causal_attention's kernel, with the same bits, takes the rest)."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.shape[-1] == HEAD
-            and q.dtype in _DTYPES and k.dtype == q.dtype)
+            and q.dtype in _DTYPES and k.dtype == v.dtype == q.dtype
+            and all(x.data_ptr() % 16 == 0 for x in (k, v)))
 
 
 @gluon.jit
