@@ -155,18 +155,27 @@ def _attend(half, q_ptr, q_smem, k_desc, v_desc, k_smem, v_smem, ready, empty, t
 
 
 @gluon.jit
+def _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK: gl.constexpr, D: gl.constexpr, WINDOW: gl.constexpr):
+    """This program's tile (grid: segment x query block, the last blocks, with the most keys, first; then heads):
+    its head, key_blocks.tile_span's spans, the key blocks it reads (0: a tile past the segment's end) and its
+    key-value head's first column."""
+    segment = gl.program_id(0) // q_blocks
+    block = q_blocks - 1 - gl.program_id(0) % q_blocks
+    head = gl.program_id(1)
+    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
+    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)
+    return head, q0, n_q, k0, n_k, m0, start, whole, count, (head // group) * D
+
+
+@gluon.jit
 def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
                     stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
                     num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    segment = gl.program_id(0) // q_blocks
-    block = q_blocks - 1 - gl.program_id(0) % q_blocks  # (the last blocks, the most keys, start first)
-    head = gl.program_id(1)
-    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
-    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)  # (key blocks it reads)
+    head, q0, n_q, k0, n_k, m0, start, whole, count, col = _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK, D,
+                                                                          WINDOW)
     if count > 0:
-        col = (head // group) * D
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
         q_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, D], k_desc.layout)
@@ -202,12 +211,8 @@ def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale,
                      num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    segment = gl.program_id(0) // q_blocks
-    block = q_blocks - 1 - gl.program_id(0) % q_blocks
-    head = gl.program_id(1)
-    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
-    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)  # (key blocks it reads)
-    col = (head // group) * D
+    head, q0, n_q, k0, n_k, m0, start, whole, count, col = _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK, D,
+                                                                          WINDOW)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
