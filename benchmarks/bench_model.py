@@ -223,7 +223,7 @@ def main() -> None:
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
-    parser.add_argument("--gluon", choices=["none", "overlap", "pingpong"],
+    parser.add_argument("--gluon", choices=["none", "overlap", "pingpong", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
     args = parser.parse_args()

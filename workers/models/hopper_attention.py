@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .key_blocks import tile_span
 
 BLOCK, HEAD, STAGES = 128, 128, 3
-FORMS = {"overlap": 8, "pingpong": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
+FORMS = {"overlap": 8, "pingpong": 4, "persistent": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
 
@@ -234,6 +234,182 @@ def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale,
     ], [4, 1], [240, 24])
 
 
+@gluon.jit
+def _tile_of(t, cu_q, cu_k, window, group, q_blocks, per_head, BLOCK: gl.constexpr, D: gl.constexpr,
+             WINDOW: gl.constexpr):
+    """Tile t of the plain grid's order (segment x query block, the last blocks first; then heads; per_head tiles a
+    head) for the persistent form: as _program_tile."""
+    segment = t % per_head // q_blocks
+    block = q_blocks - 1 - t % q_blocks
+    head = t // per_head
+    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
+    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)
+    return head, q0, n_q, k0, n_k, m0, start, whole, count, (head // group) * D
+
+
+@gluon.jit
+def _take_tile(taken, n_tiles, ids, id_full, id_free, it):
+    """The loader takes the next tile (n_tiles or more: none left) and posts it in slot it % 2 for both halves."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    t = gl.atomic_add(taken, 1)
+    slot = it % 2
+    mbarrier.wait(id_free.index(slot), ((it // 2) & 1) ^ 1)
+    ids.index(slot).store(gl.full([1], t, gl.int32, one))
+    mbarrier.arrive(id_full.index(slot))
+    return t
+
+
+@gluon.jit
+def _posted_tile(ids, id_full, id_free, it, rows: gl.constexpr):
+    """A half's it-th tile, as the loader posted it."""
+    slot = it % 2
+    mbarrier.wait(id_full.index(slot), (it // 2) & 1)
+    t = gl.max(ids.index(slot).load(gl.BlockedLayout([1], [32], [rows // 16], [0])), 0)
+    mbarrier.arrive(id_free.index(slot))
+    return t
+
+
+@gluon.jit
+def _persistent_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full, id_free, taken, n_tiles, cu_q,
+                      cu_k, window, group, q_blocks, per_head, WINDOW: gl.constexpr):
+    """The persistent form's loads (one warp): it takes the tiles, and loads their blocks through one ring, block g
+    (counted over all its tiles) into buffer g % STAGES once both halves released its last use."""
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    it = 0
+    g = 0
+    t = _take_tile(taken, n_tiles, ids, id_full, id_free, it)
+    while t < n_tiles:
+        head, q0, n_q, k0, n_k, m0, start, whole, count, col = _tile_of(t, cu_q, cu_k, window, group, q_blocks,
+                                                                        per_head, BLOCK, D, WINDOW)
+        for b in range(count):
+            st = (g + b) % STAGES
+            mbarrier.wait(empty.index(st), (((g + b) // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase)
+            mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k0 + start + b * BLOCK, col], ready.index(st), k_smem.index(st))
+            _tma_load(v_desc, [k0 + start + b * BLOCK, col], ready.index(st), v_smem.index(st))
+        g += count
+        it += 1
+        t = _take_tile(taken, n_tiles, ids, id_full, id_free, it)
+
+
+@gluon.jit
+def _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS: gl.constexpr,
+                  D: gl.constexpr, layout: gl.constexpr):
+    """Half `half` of tile t's queries (zeros past its segment; nothing read for t >= n_tiles)."""
+    segment = t % per_head // q_blocks
+    q0 = gl.load(cu_q + segment)
+    n_q = gl.load(cu_q + segment + 1) - q0
+    first = (q_blocks - 1 - t % q_blocks) * (2 * ROWS) + half * ROWS
+    rows = first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    at = (q0 + rows).to(gl.int64)
+    return gl.load(q_ptr + at[:, None] * stride_qt + (t // per_head) * stride_qh + d[None, :],
+                   mask=((rows < n_q) & (t < n_tiles))[:, None], other=0.0)
+
+
+@gluon.jit
+def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr,
+                       lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q, stride_qt,
+                       stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
+    """One half's tiles, in the order the loader took them: the pingpong form's loop over each tile's key blocks,
+    with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read while the last
+    P V runs."""
+    ROWS: gl.constexpr = q_smem.shape[0]
+    D: gl.constexpr = q_smem.shape[1]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK: gl.constexpr = k_smem.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                  instr_shape=[16, BLOCK, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
+    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [ROWS // 16, 1], [1, 0])
+    zero = gl.zeros([ROWS, BLOCK], gl.float32, mma)
+    it = 0
+    g = 0
+    turns = 0
+    t = _posted_tile(ids, id_full, id_free, it, ROWS)
+    q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+    while t < n_tiles:
+        head, q0, n_q, k0, n_k, m0, start, whole, count, col = _tile_of(t, cu_q, cu_k, window, group, q_blocks,
+                                                                        per_head, BLOCK, D, WINDOW)
+        q_smem.store(q)  # (every product that read the last tile's queries has been waited for)
+        fence_async_shared()
+        it += 1
+        if count > 0:
+            r0 = m0 + half * ROWS
+            pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
+            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+            s = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
+            l_i = gl.zeros([ROWS], gl.float32, rows_of)
+            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
+            acc = gl.zeros([ROWS, D], gl.float32, mma)
+            for j in range(0, count - 1):
+                nxt = g + j + 1
+                mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                mbarrier.wait(turn.index(half), (turns + j) & 1)  # this half's turn on the tensor cores
+                s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False,
+                                  is_async=True)
+                p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
+                acc = warpgroup_mma(p_op, v_smem.index((nxt - 1) % STAGES), acc, is_async=True)
+                mbarrier.arrive(turn.index(1 - half))  # the other half's turn
+                s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
+                p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + (j + 1) * BLOCK, whole, pos, n_k, scale,
+                                                    window, WINDOW, mma)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+                mbarrier.arrive(empty.index((nxt - 1) % STAGES))  # (this half is done with that block)
+                acc = acc * alpha[:, None]
+            last = (g + count - 1) % STAGES
+            p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
+            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            t = _posted_tile(ids, id_full, id_free, it, ROWS)
+            q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(empty.index(last))
+            _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
+            g += count
+            turns += count - 1
+        else:
+            t = _posted_tile(ids, id_full, id_free, it, ROWS)
+            q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+
+
+@gluon.jit
+def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, taken, scale, window, group, q_blocks,
+                       per_head, n_tiles, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
+    ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    id_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(id_full.index(i), count=1)
+        mbarrier.init(id_free.index(i), count=2)
+    mbarrier.arrive(turn.index(0))  # (the first half goes first)
+    common = (k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr, lse_ptr, n_tiles, cu_q, cu_k, scale,
+              window, group, q_blocks, per_head, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
+    gl.warp_specialize([
+        (_persistent_attend, (0, q_ptr, q_smem.index(0)) + common),
+        (_persistent_attend, (1, q_ptr, q_smem.index(1)) + common),
+        (_persistent_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full, id_free, taken, n_tiles,
+                             cu_q, cu_k, window, group, q_blocks, per_head, WINDOW)),
+    ], [4, 1], [240, 24])
+
+
 def descriptor_layout(dtype: torch.dtype):
     """The shared-memory layout a block of BLOCK keys (or values) of a head lands in (wgmma's swizzle)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD], _DTYPES[dtype])
@@ -253,11 +429,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     k_desc, v_desc = descriptors(k.contiguous(), v.contiguous())
     q_blocks = triton.cdiv(max(max_q, 1), BLOCK)
+    common = (scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks)
+    sizes = dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form], enable_fp_fusion=True)  # (FMAs where the
+    # fused tiling has them: its bits)
+    strides = (t, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    if form == "persistent":
+        per_head = q_blocks * (cu_q.shape[0] - 1)
+        taken = torch.zeros(1, dtype=torch.int32, device=q.device)
+        programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        _persistent_kernel[(programs,)](q, k_desc, v_desc, out, lse, cu_q, cu_k, taken, *common, per_head,
+                                        per_head * heads, *strides, **sizes)
+        return out, lse
     kernel = _pingpong_kernel if form == "pingpong" else _overlap_kernel
-    kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](
-        q, k_desc, v_desc, out, lse, cu_q, cu_k, scale * math.log2(math.e), window or 0, heads // k.shape[1],
-        q_blocks, t, q.stride(0), q.stride(1), out.stride(0), out.stride(1), WINDOW=bool(window), STAGES=STAGES,
-        num_warps=FORMS[form], enable_fp_fusion=True)  # (FMAs where the fused tiling has them: its bits)
+    kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](q, k_desc, v_desc, out, lse, cu_q, cu_k, *common, *strides,
+                                                    **sizes)
     return out, lse
 
 
@@ -267,12 +452,12 @@ def compile_sm90(form: str = "overlap", window: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = _pingpong_kernel if form == "pingpong" else _overlap_kernel
+    fn = {"pingpong": _pingpong_kernel, "persistent": _persistent_kernel}.get(form, _overlap_kernel)
     desc = f"tensordesc<bf16[{BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
     const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form])
     sig = {n: "constexpr" if n in const else desc if n.endswith("_desc") else "fp32" if n == "scale"
-           else "*i32" if n.startswith("cu_") else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr")
-           else "i32" for n in fn.arg_names}
+           else "*i32" if n.startswith("cu_") or n == "taken" else "*fp32" if n == "lse_ptr"
+           else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n == "total_q"}
     return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=aligned), target=GPUTarget("cuda", 90, 32),

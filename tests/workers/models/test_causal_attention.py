@@ -183,6 +183,9 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
 
 
+FORMS = ["overlap", "pingpong", "persistent"]  # hopper_attention.FORMS
+
+
 @pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
 def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_products():
     """Both forms compile for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter), fit a
@@ -194,8 +197,8 @@ def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_pro
               "    print(form, c.metadata.shared, 'wgmma.wait_group.sync.aligned 1;' in c.asm['ptx'])\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    lines = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["overlap"], ["pingpong"])]
-    assert [line[0] for line in lines] == ["overlap", "pingpong"], done.stderr[-2000:]
+    lines = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in ([f] for f in FORMS)]
+    assert [line[0] for line in lines] == FORMS, done.stderr[-2000:]
     for form, shared, overlapped in lines:
         assert int(shared) <= 232448 and overlapped == "True", (form, shared, overlapped)
 
@@ -205,7 +208,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
-@pytest.mark.parametrize("form", ["overlap", "pingpong"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("window", [None, 100, 333])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, window, dtype):
