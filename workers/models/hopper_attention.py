@@ -430,19 +430,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     k_desc, v_desc = descriptors(k.contiguous(), v.contiguous())
     q_blocks = triton.cdiv(max(max_q, 1), BLOCK)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks)
-    sizes = dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form], enable_fp_fusion=True)  # (FMAs where the
-    # fused tiling has them: its bits)
+    sizes = dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form])
     strides = (t, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
     if form == "persistent":
         per_head = q_blocks * (cu_q.shape[0] - 1)
         taken = torch.zeros(1, dtype=torch.int32, device=q.device)
         programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
         _persistent_kernel[(programs,)](q, k_desc, v_desc, out, lse, cu_q, cu_k, taken, *common, per_head,
-                                        per_head * heads, *strides, **sizes)
+                                        per_head * heads, *strides, **sizes, enable_fp_fusion=True)
         return out, lse
     kernel = _pingpong_kernel if form == "pingpong" else _overlap_kernel
     kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](q, k_desc, v_desc, out, lse, cu_q, cu_k, *common, *strides,
-                                                    **sizes)
+                                                    **sizes, enable_fp_fusion=True)  # (FMAs where the fused tiling
+    # has them: its bits)
     return out, lse
 
 
