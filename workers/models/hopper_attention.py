@@ -6,13 +6,17 @@ each use), also with the query tile split in two halves whose products could ove
 A program takes causal_attention.py's tile (128 queries of one segment and head) with its arithmetic in the fused
 form (a block's max over its allowed keys times the scale, exp2 of one FMA, masked keys as -inf), its key blocks
 aligned to the segment and walked in order, and its window, so that a query's bits do not depend on its neighbours
-or where its tile starts. Keys and values come by TMA into a ring of STAGES buffers. Two forms:
+or where its tile starts. Keys and values come by TMA into a ring of STAGES buffers. Three forms:
 
 - "overlap" (8 warps): each block's loop issues the next block's scores and this block's P V, waits for the scores
   alone and runs their softmax while P V runs, then rescales the output;
 - "pingpong" (FA3's schedule): the tile's two halves of 64 queries on a warpgroup each, which take turns issuing
   their products (two mbarriers), so that one's softmax runs while the other's products do, and one warp of their
-  own issues the loads (warp_specialize; 240 and 24 registers asked for).
+  own issues the loads (warp_specialize; 240 and 24 registers asked for);
+- "persistent": the pingpong form with one program per SM, which takes tiles in the plain grid's order from a
+  counter (the loader warp takes each and posts it to both halves), so that the next tile's first blocks load while
+  this one's last run and a half reads its next queries while its last P V runs; the same bits (each tile is
+  computed alone, whichever program takes it).
 
 Hopper only (wgmma is sm_90a's), heads of 128, bf16 or fp16; causal_attention.py's kernel runs everything else and
 every tile taken from a schedule (a CUDA graph's forward). Triton 3.6 and later.
