@@ -252,15 +252,12 @@ def _tile_of(t, cu_q, cu_k, window, group, q_blocks, per_head, BLOCK: gl.constex
 
 
 @gluon.jit
-def _take_tile(taken, n_tiles, ids, id_full, id_free, it):
-    """The loader takes the next tile (n_tiles or more: none left) and posts it in slot it % 2 for both halves."""
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    t = gl.atomic_add(taken, 1)
+def _post_tile(t, ids, id_full, id_free, it):
+    """The loader posts tile t (n_tiles or more: none left) in slot it % 2, for both halves."""
     slot = it % 2
     mbarrier.wait(id_free.index(slot), ((it // 2) & 1) ^ 1)
-    ids.index(slot).store(gl.full([1], t, gl.int32, one))
+    ids.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
     mbarrier.arrive(id_full.index(slot))
-    return t
 
 
 @gluon.jit
@@ -276,17 +273,21 @@ def _posted_tile(ids, id_full, id_free, it, rows: gl.constexpr):
 @gluon.jit
 def _persistent_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full, id_free, taken, n_tiles, cu_q,
                       cu_k, window, group, q_blocks, per_head, WINDOW: gl.constexpr):
-    """The persistent form's loads (one warp): it takes the tiles, and loads their blocks through one ring, block g
-    (counted over all its tiles) into buffer g % STAGES once both halves released its last use."""
+    """The persistent form's loads (one warp): it takes tiles from the counter, posts those with keys to read (a
+    tile past its segment's end is skipped here, while the halves compute), and loads their blocks through one ring,
+    block g (counted over all its tiles) into buffer g % STAGES once both halves released its last use."""
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
     it = 0
     g = 0
-    t = _take_tile(taken, n_tiles, ids, id_full, id_free, it)
+    t = gl.atomic_add(taken, 1)
     while t < n_tiles:
         head, q0, n_q, k0, n_k, m0, start, whole, count, col = _tile_of(t, cu_q, cu_k, window, group, q_blocks,
                                                                         per_head, BLOCK, D, WINDOW)
+        if count > 0:
+            _post_tile(t, ids, id_full, id_free, it)
+            it += 1
         for b in range(count):
             st = (g + b) % STAGES
             mbarrier.wait(empty.index(st), (((g + b) // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase)
@@ -294,8 +295,8 @@ def _persistent_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full
             _tma_load(k_desc, [k0 + start + b * BLOCK, col], ready.index(st), k_smem.index(st))
             _tma_load(v_desc, [k0 + start + b * BLOCK, col], ready.index(st), v_smem.index(st))
         g += count
-        it += 1
-        t = _take_tile(taken, n_tiles, ids, id_full, id_free, it)
+        t = gl.atomic_add(taken, 1)
+    _post_tile(t, ids, id_full, id_free, it)
 
 
 @gluon.jit
@@ -317,9 +318,9 @@ def _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, 
 def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr,
                        lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q, stride_qt,
                        stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
-    """One half's tiles, in the order the loader took them: the pingpong form's loop over each tile's key blocks,
-    with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read while the last
-    P V runs."""
+    """One half's tiles, as the loader posts them (each with keys to read): the pingpong form's loop over each
+    tile's key blocks, with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read
+    while the last P V runs."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
     STAGES: gl.constexpr = k_smem.shape[0]
@@ -341,44 +342,40 @@ def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, 
         q_smem.store(q)  # (every product that read the last tile's queries has been waited for)
         fence_async_shared()
         it += 1
-        if count > 0:
-            r0 = m0 + half * ROWS
-            pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
-            mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-            s = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
-            l_i = gl.zeros([ROWS], gl.float32, rows_of)
-            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
-            acc = gl.zeros([ROWS, D], gl.float32, mma)
-            for j in range(0, count - 1):
-                nxt = g + j + 1
-                mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-                mbarrier.wait(turn.index(half), (turns + j) & 1)  # this half's turn on the tensor cores
-                s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False,
-                                  is_async=True)
-                p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
-                acc = warpgroup_mma(p_op, v_smem.index((nxt - 1) % STAGES), acc, is_async=True)
-                mbarrier.arrive(turn.index(1 - half))  # the other half's turn
-                s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
-                p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + (j + 1) * BLOCK, whole, pos, n_k, scale,
-                                                    window, WINDOW, mma)
-                acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-                mbarrier.arrive(empty.index((nxt - 1) % STAGES))  # (this half is done with that block)
-                acc = acc * alpha[:, None]
-            last = (g + count - 1) % STAGES
+        r0 = m0 + half * ROWS
+        pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
+        mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
+        l_i = gl.zeros([ROWS], gl.float32, rows_of)
+        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
+        acc = gl.zeros([ROWS, D], gl.float32, mma)
+        for j in range(0, count - 1):
+            nxt = g + j + 1
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+            mbarrier.wait(turn.index(half), (turns + j) & 1)  # this half's turn on the tensor cores
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False,
+                              is_async=True)
             p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
-            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-            t = _posted_tile(ids, id_full, id_free, it, ROWS)
-            q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+            acc = warpgroup_mma(p_op, v_smem.index((nxt - 1) % STAGES), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - half))  # the other half's turn
+            s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
+            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + (j + 1) * BLOCK, whole, pos, n_k, scale,
+                                                window, WINDOW, mma)
             acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            mbarrier.arrive(empty.index(last))
-            _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
-            g += count
-            turns += count - 1
-        else:
-            t = _posted_tile(ids, id_full, id_free, it, ROWS)
-            q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+            mbarrier.arrive(empty.index((nxt - 1) % STAGES))  # (this half is done with that block)
+            acc = acc * alpha[:, None]
+        last = (g + count - 1) % STAGES
+        p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
+        acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        t = _posted_tile(ids, id_full, id_free, it, ROWS)
+        q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(empty.index(last))
+        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
+        g += count
+        turns += count - 1
 
 
 @gluon.jit
