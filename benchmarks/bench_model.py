@@ -60,7 +60,7 @@ def fast(model, backend: str) -> None:
 
 # kernel name fragment -> what the time goes to (the first that matches; GEMMs by cuBLAS's kernel names)
 _KINDS = (("attention", "attention"), ("_attn", "attention"), ("_pingpong_kernel", "attention"),
-          ("_overlap_kernel", "attention"), ("_rms_norm", "RMSNorm (ours)"),
+          ("_overlap_kernel", "attention"), ("_persistent_kernel", "attention"), ("_rms_norm", "RMSNorm (ours)"),
           ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
           ("combine_splits", "head (ours)"), ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
           ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))

@@ -6,8 +6,8 @@ heads are read in place. Each program takes BLOCK_M queries of one segment and h
 of BLOCK_N counted from the segment's first key, always in increasing order, with the softmax kept online in base 2.
 Inside a CUDA graph (graphs.py) the grid cannot follow the row: a fixed number of programs then walks the same tiles
 from a schedule computed on the device (`schedule`), each tile computed as the plain grid computes it. On Hopper,
-at heads of 128, the plain grid's tiles run in hopper_attention.py's Gluon kernel instead (Tiles.gluon): the same
-blocks and arithmetic on wgmma and TMA, with the same bits.
+at heads of 128, the plain grid's tiles of rows of GLUON_TOKENS or more run in hopper_attention.py's Gluon kernel
+instead (Tiles.gluon): the same blocks and arithmetic on wgmma and TMA, with the same bits.
 
 A query's output depends only on its own segment: the key blocks it sums are aligned to the segment, not to the
 row, and do not change with the other segments or where the segment sits. Whether a block is masked changes no
@@ -49,10 +49,16 @@ class Tiles(NamedTuple):
 
 
 # 16-bit heads over 64, fastest first (bench_attention.py --sweep on an H100, 8 x 4096 tokens, 32 query and 4 key-value
-# heads of 128: 445, 405 TFLOP/s; with TMA the first ran 447; its pingpong form on Hopper, hopper_attention.py, 527
-# with the same bits): the first whose pipeline fits the device's shared memory (224 KiB: Hopper and later; 128 KiB:
+# heads of 128: 445, 405 TFLOP/s; with TMA the first ran 447; on Hopper, hopper_attention.py's persistent form 546 with
+# the same bits): the first whose pipeline fits the device's shared memory (224 KiB: Hopper and later; 128 KiB:
 # the A100; 80 KiB: GPUs of 100 KiB such as the L40S)
-_WIDE = (Tiles(128, 128, 8, 3, fused=True, gluon="pingpong"), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2))
+_WIDE = (Tiles(128, 128, 8, 3, fused=True, gluon="persistent"), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 2))
+
+
+# rows of fewer query tokens run the default tiling's Triton kernel, with the same bits: a Gluon launch costs the host
+# ~100 us (its TMA descriptors, the tile counter) against the Triton kernel's ~40, and below this the Triton kernel
+# takes about that on the device (H100, 28 / 4 heads: 103 us at 2,048 tokens; BENCHMARKS.md)
+GLUON_TOKENS = 2048
 
 
 def _tiles(head: int, dtype: torch.dtype, device: torch.device | None = None) -> Tiles:
@@ -234,8 +240,9 @@ def schedule(cu_q: Tensor, block: int, capacity: int) -> Schedule:
 def _launch(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, scale: float,
             window: int | None, tiles: Tiles | None = None, plan: Schedule | None = None) -> tuple[Tensor, Tensor]:
     t, heads, d = q.shape
+    short = tiles is None and t < GLUON_TOKENS  # (tiles given: the caller's choice, whatever the row)
     tiles = tiles or _tiles(d, q.dtype, q.device)
-    if tiles.gluon and plan is None and (hopper := hopper_kernels()) and hopper.usable(q, k, v):
+    if tiles.gluon and plan is None and not short and (hopper := hopper_kernels()) and hopper.usable(q, k, v):
         return hopper.attention(q, k, v, cu_q, cu_k, max_q, scale, window, tiles.gluon)
     out = torch.empty_like(q)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)

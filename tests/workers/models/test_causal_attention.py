@@ -118,10 +118,10 @@ def test_a_querys_bits_are_its_own(dtype, window, fused):
 
 def test_the_tiling_fits_the_gpus_shared_memory():
     """Heads of 128 in bf16 take 128 x 128 tiles where a program may use Hopper's 227 KiB of shared memory (their
-    three stages of keys and values and the queries: 224 KiB; on Hopper by the Gluon kernel's pingpong form, with the
+    three stages of keys and values and the queries: 224 KiB; on Hopper by the Gluon kernel's persistent form, with the
     same bits), 128 x 64 on an A100 (163 KiB), 64 x 64 on GPUs of 99 KiB (L40S, RTX 4090); smaller heads and fp32 one
     tiling everywhere."""
-    hopper = Tiles(128, 128, 8, 3, fused=True, gluon="pingpong")
+    hopper = Tiles(128, 128, 8, 3, fused=True, gluon="persistent")
     assert tiles_for(128, torch.bfloat16, 232448) == hopper == tiles_for(128, torch.bfloat16, None)
     assert tiles_for(128, torch.bfloat16, 166912) == Tiles(128, 64, 8, 3)
     assert tiles_for(96, torch.float16, 101376) == tiles_for(128, torch.bfloat16, 101376) == Tiles(64, 64, 4, 2)
