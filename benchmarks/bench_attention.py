@@ -35,7 +35,6 @@ SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (
          (128, 64, 8, 3, False, True), (128, 64, 8, 3, True, True), (128, 128, 8, 2, True, True),
          (128, 128, 8, 3, True, True), (128, 64, 8, 4, True, True),
          # hopper_attention.py's Gluon kernels (Tiles.gluon)
-         (128, 128, 8, 3, True, False, "overlap"), (128, 128, 8, 3, True, False, "pingpong"),
          (128, 128, 8, 3, True, False, "persistent")]
 
 
@@ -142,9 +141,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
-    parser.add_argument("--gluon", nargs="*", choices=["overlap", "pingpong", "persistent"],
-                        help="hopper_attention.py's forms (default: all) against the Triton kernel at their tiling "
-                        "(Hopper), then exit")
+    parser.add_argument("--gluon", nargs="*", choices=["persistent"],
+                        help="hopper_attention.py's kernel (its forms; default: all) against the Triton kernel at "
+                        "its tiling (Hopper), then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -157,7 +156,7 @@ def main() -> None:
     if args.gluon is not None:
         if not cuda or torch.cuda.get_device_capability()[0] != 9:
             raise SystemExit("--gluon: hopper_attention.py's kernels need a Hopper GPU")
-        gluon_check(time_ms, args.gluon or ["overlap", "pingpong", "persistent"])
+        gluon_check(time_ms, args.gluon or ["persistent"])
         return
     rows = []
     for name, (lengths, heads, kv_heads, d) in CASES.items():

@@ -59,9 +59,8 @@ def fast(model, backend: str) -> None:
 
 
 # kernel name fragment -> what the time goes to (the first that matches; GEMMs by cuBLAS's kernel names)
-_KINDS = (("attention", "attention"), ("_attn", "attention"), ("_pingpong_kernel", "attention"),
-          ("_overlap_kernel", "attention"), ("_persistent_kernel", "attention"), ("_rms_norm", "RMSNorm (ours)"),
-          ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
+_KINDS = (("attention", "attention"), ("_attn", "attention"), ("_persistent_kernel", "attention"),
+          ("_rms_norm", "RMSNorm (ours)"), ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
           ("combine_splits", "head (ours)"), ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
           ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))
 
@@ -223,7 +222,7 @@ def main() -> None:
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
-    parser.add_argument("--gluon", choices=["none", "overlap", "pingpong", "persistent"],
+    parser.add_argument("--gluon", choices=["none", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
     args = parser.parse_args()

@@ -3,20 +3,19 @@ softmax of a key block runs while the tensor cores multiply probabilities by val
 this for causal_attention.py: in its PTX for sm_90a it waits for every wgmma at once (`wgmma.wait_group 0` before
 each use), also with the query tile split in two halves whose products could overlap.
 
-A program takes causal_attention.py's tile (128 queries of one segment and head) with its arithmetic in the fused
-form (a block's max over its allowed keys times the scale, exp2 of one FMA, masked keys as -inf), its key blocks
-aligned to the segment and walked in order, and its window, so that a query's bits do not depend on its neighbours
-or where its tile starts. Keys and values come by TMA into a ring of STAGES buffers. Three forms:
+A tile is causal_attention.py's (128 queries of one segment and head) with its arithmetic in the fused form (a
+block's max over its allowed keys times the scale, exp2 of one FMA, masked keys as -inf), its key blocks aligned to
+the segment and walked in order, and its window, so that a query's bits do not depend on its neighbours or where its
+tile starts. FA3's schedule: the tile's two halves of 64 queries sit on a warpgroup each and take turns issuing their
+products (two mbarriers), so that one's softmax runs while the other's products do; within a half, each block's
+step issues the next block's scores and this block's P V and waits for the scores alone. One warp of their own
+(warp_specialize; 240 and 24 registers asked for) loads keys and values by TMA into a ring of STAGES buffers.
 
-- "overlap" (8 warps): each block's loop issues the next block's scores and this block's P V, waits for the scores
-  alone and runs their softmax while P V runs, then rescales the output;
-- "pingpong" (FA3's schedule): the tile's two halves of 64 queries on a warpgroup each, which take turns issuing
-  their products (two mbarriers), so that one's softmax runs while the other's products do, and one warp of their
-  own issues the loads (warp_specialize; 240 and 24 registers asked for);
-- "persistent": the pingpong form with one program per SM, which takes tiles in the plain grid's order from a
-  counter (the loader warp takes each and posts it to both halves), so that the next tile's first blocks load while
-  this one's last run and a half reads its next queries while its last P V runs; the same bits (each tile is
-  computed alone, whichever program takes it).
+The kernel is persistent: one program per SM takes tiles in the plain grid's order from a counter. Its loader warp
+takes each, skips those past their segment's end, and posts the others to both halves, so that the next tile's first
+blocks load while this one's last run, and a half reads its next queries while its last P V runs. Each tile is
+computed alone, whichever program takes it: the same bits. (One program per tile, and an 8-warp form overlapping its
+own softmax with P V, ran slower: BENCHMARKS.md.)
 
 Hopper only (wgmma is sm_90a's), heads of 128, bf16 or fp16; causal_attention.py's kernel runs everything else and
 every tile taken from a schedule (a CUDA graph's forward). Triton 3.6 and later.
@@ -42,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .key_blocks import tile_span
 
 BLOCK, HEAD, STAGES = 128, 128, 3
-FORMS = {"overlap": 8, "pingpong": 4, "persistent": 4}  # form -> num_warps (pingpong: the first half's warpgroup)
+FORMS = {"persistent": 4}  # form -> num_warps (the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
 
@@ -72,18 +71,6 @@ def _block_softmax(s, m_i, l_i, n, whole, pos, n_k, scale, window, WINDOW: gl.co
 
 
 @gluon.jit
-def _load_block(k_desc, v_desc, bars, k_smem, v_smem, b, count, first, col):
-    """Block b's keys and values (rows first + b * BLOCK) into buffer b % STAGES; nothing past the last block."""
-    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    st = b % STAGES
-    ok = b < count
-    mbarrier.expect(bars.index(st), 2 * k_desc.block_type.nbytes, pred=ok)
-    _tma_load(k_desc, [first + b * BLOCK, col], bars.index(st), k_smem.index(st), pred=ok)
-    _tma_load(v_desc, [first + b * BLOCK, col], bars.index(st), v_smem.index(st), pred=ok)
-
-
-@gluon.jit
 def _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, layout: gl.constexpr):
     """Rows r0 .. of the segment's output (acc / l_i) and their log-sum-exp (FlashAttention's layout: [heads, Tq])."""
     rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
@@ -95,154 +82,11 @@ def _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_o
 
 
 @gluon.jit
-def _attend(half, q_ptr, q_smem, k_desc, v_desc, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0,
-            k0, n_k, start, whole, count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot,
-            stride_oh, WINDOW: gl.constexpr, PINGPONG: gl.constexpr):
-    """Rows m0 + half * ROWS .. of the tile (ROWS: q_smem's, a warp group for each 64) over its key blocks in order:
-    the next block's scores and this block's P V issued, a wait for the scores alone, their softmax while P V runs.
-    PINGPONG: the products are issued in turns with the other half's (`turn`), and the blocks, loaded by a warp of
-    their own, are released through `empty`; else this program refills the ring itself. (Sizes come from the
-    buffers' shapes: a partition's arguments arrive as values.)"""
-    ROWS: gl.constexpr = q_smem.shape[0]
-    D: gl.constexpr = q_smem.shape[1]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    BLOCK: gl.constexpr = k_smem.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
-                                                  instr_shape=[16, BLOCK, 16])
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows_of: gl.constexpr = gl.SliceLayout(1, mma)
-    io: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [ROWS // 16, 1], [1, 0])
-    if count > 0:
-        r0 = m0 + half * ROWS
-        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io))
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, io))
-        at = (q0 + rows).to(gl.int64)
-        q = gl.load(q_ptr + at[:, None] * stride_qt + head * stride_qh + d[None, :], mask=(rows < n_q)[:, None],
-                    other=0.0)
-        q_smem.store(q)
-        fence_async_shared()
-        pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
-        zero = gl.zeros([ROWS, BLOCK], gl.float32, mma)
-        mbarrier.wait(ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
-        l_i = gl.zeros([ROWS], gl.float32, rows_of)
-        p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
-        acc = gl.zeros([ROWS, D], gl.float32, mma)
-        for j in range(0, count - 1):
-            nxt = j + 1
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(half), j & 1)  # this half's turn on the tensor cores
-            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
-            p_op = gl.convert_layout(p.to(q.dtype), operand)
-            acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - half))  # the other half's turn
-            s = warpgroup_mma_wait(1, deps=(s,))  # (this block's scores; the values' product goes on)
-            p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start + nxt * BLOCK, whole, pos, n_k, scale, window,
-                                                WINDOW, mma)
-            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-            if PINGPONG:
-                mbarrier.arrive(empty.index(j % STAGES))  # (this half is done with block j)
-            else:
-                _load_block(k_desc, v_desc, ready, k_smem, v_smem, j + STAGES, count, k0 + start, col)
-            acc = acc * alpha[:, None]
-        p_op = gl.convert_layout(p.to(q.dtype), operand)
-        acc = warpgroup_mma(p_op, v_smem.index((count - 1) % STAGES), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        if PINGPONG:
-            mbarrier.arrive(empty.index((count - 1) % STAGES))
-        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
-        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
-
-
-@gluon.jit
-def _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK: gl.constexpr, D: gl.constexpr, WINDOW: gl.constexpr):
-    """This program's tile (grid: segment x query block, the last blocks, with the most keys, first; then heads):
-    its head, key_blocks.tile_span's spans, the key blocks it reads (0: a tile past the segment's end) and its
-    key-value head's first column."""
-    segment = gl.program_id(0) // q_blocks
-    block = q_blocks - 1 - gl.program_id(0) % q_blocks
-    head = gl.program_id(1)
-    q0, n_q, k0, n_k, m0, start, whole, end = tile_span(cu_q, cu_k, segment, block, window, BLOCK, BLOCK, WINDOW)
-    count = gl.where(m0 < n_q, (end - start + BLOCK - 1) // BLOCK, 0)
-    return head, q0, n_q, k0, n_k, m0, start, whole, count, (head // group) * D
-
-
-@gluon.jit
-def _overlap_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
-                    stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-                    num_warps: gl.constexpr):
-    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
-    D: gl.constexpr = k_desc.block_type.shape[1]
-    head, q0, n_q, k0, n_k, m0, start, whole, count, col = _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK, D,
-                                                                          WINDOW)
-    if count > 0:
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK, D], k_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
-        for i in gl.static_range(STAGES):
-            _load_block(k_desc, v_desc, bars, k_smem, v_smem, i, count, k0 + start, col)
-        _attend(0, q_ptr, q_smem, k_desc, v_desc, k_smem, v_smem, bars, bars, bars, out_ptr, lse_ptr, q0, n_q, m0, k0,
-                n_k, start, whole, count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot,
-                stride_oh, WINDOW, False)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
-
-
-@gluon.jit
-def _pingpong_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, count, first, col):
-    """The pingpong kernel's loads (one warp): block b into buffer b % STAGES once both halves released its last
-    use."""
-    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_smem.shape[0]
-    for b in range(count):
-        st = b % STAGES
-        mbarrier.wait(empty.index(st), ((b // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase: passes)
-        mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [first + b * BLOCK, col], ready.index(st), k_smem.index(st))
-        _tma_load(v_desc, [first + b * BLOCK, col], ready.index(st), v_smem.index(st))
-
-
-@gluon.jit
-def _pingpong_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, scale, window, group, q_blocks, total_q,
-                     stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-                     num_warps: gl.constexpr):
-    BLOCK: gl.constexpr = k_desc.block_type.shape[0]
-    D: gl.constexpr = k_desc.block_type.shape[1]
-    head, q0, n_q, k0, n_k, m0, start, whole, count, col = _program_tile(cu_q, cu_k, window, group, q_blocks, BLOCK, D,
-                                                                          WINDOW)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    mbarrier.arrive(turn.index(0))  # (the first half goes first)
-    common = (k_desc, v_desc, k_smem, v_smem, ready, empty, turn, out_ptr, lse_ptr, q0, n_q, m0, k0, n_k, start, whole,
-              count, scale, window, head, col, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW, True)
-    gl.warp_specialize([
-        (_attend, (0, q_ptr, q_smem.index(0)) + common),
-        (_attend, (1, q_ptr, q_smem.index(1)) + common),
-        (_pingpong_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, count, k0 + start, col)),
-    ], [4, 1], [240, 24])
-
-
-@gluon.jit
 def _tile_of(t, cu_q, cu_k, window, group, q_blocks, per_head, BLOCK: gl.constexpr, D: gl.constexpr,
              WINDOW: gl.constexpr):
-    """Tile t of the plain grid's order (segment x query block, the last blocks first; then heads; per_head tiles a
-    head) for the persistent form: as _program_tile."""
+    """Tile t in the plain grid's order (segment x query block, the last blocks, with the most keys, first; then
+    heads; per_head tiles a head): its head, key_blocks.tile_span's spans, the key blocks it reads (0: a tile past the
+    segment's end) and its key-value head's first column."""
     segment = t % per_head // q_blocks
     block = q_blocks - 1 - t % q_blocks
     head = t // per_head
@@ -318,8 +162,8 @@ def _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, 
 def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr,
                        lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q, stride_qt,
                        stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
-    """One half's tiles, as the loader posts them (each with keys to read): the pingpong form's loop over each
-    tile's key blocks, with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read
+    """One half's tiles, as the loader posts them (each with keys to read): the loop over each tile's key blocks (the
+    module's docstring), with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read
     while the last P V runs."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
@@ -423,7 +267,7 @@ def descriptors(k: torch.Tensor, v: torch.Tensor) -> tuple[TensorDescriptor, Ten
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-              scale: float, window: int | None, form: str = "overlap") -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, window: int | None, form: str = "persistent") -> tuple[torch.Tensor, torch.Tensor]:
     """causal_attention._launch's forward (out, lse; no schedule) by one of FORMS. Heads as `usable` says."""
     t, heads, d = q.shape
     out = torch.empty_like(q)
@@ -433,27 +277,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks)
     sizes = dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form])
     strides = (t, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
-    if form == "persistent":
-        per_head = q_blocks * (cu_q.shape[0] - 1)
-        taken = torch.zeros(1, dtype=torch.int32, device=q.device)
-        programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
-        _persistent_kernel[(programs,)](q, k_desc, v_desc, out, lse, cu_q, cu_k, taken, *common, per_head,
-                                        per_head * heads, *strides, **sizes, enable_fp_fusion=True)
-        return out, lse
-    kernel = _pingpong_kernel if form == "pingpong" else _overlap_kernel
-    kernel[(q_blocks * (cu_q.shape[0] - 1), heads)](q, k_desc, v_desc, out, lse, cu_q, cu_k, *common, *strides,
-                                                    **sizes, enable_fp_fusion=True)  # (FMAs where the fused tiling
-    # has them: its bits)
+    per_head = q_blocks * (cu_q.shape[0] - 1)
+    taken = torch.zeros(1, dtype=torch.int32, device=q.device)  # (the tiles taken so far)
+    programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    _persistent_kernel[(programs,)](q, k_desc, v_desc, out, lse, cu_q, cu_k, taken, *common, per_head,
+                                    per_head * heads, *strides, **sizes, enable_fp_fusion=True)  # (FMAs where the
+    # fused tiling has them: its bits)
     return out, lse
 
 
-def compile_sm90(form: str = "overlap", window: bool = False):
+def compile_sm90(form: str = "persistent", window: bool = False):
     """The kernel of this form for bf16 heads built for sm_90a, here, with no GPU (Triton's compiled kernel: its PTX,
     shared memory; benchmarks/compile_sm90.py prints ptxas's registers and spills)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    fn = {"pingpong": _pingpong_kernel, "persistent": _persistent_kernel}.get(form, _overlap_kernel)
+    fn = _persistent_kernel
     desc = f"tensordesc<bf16[{BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
     const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form])
     sig = {n: "constexpr" if n in const else desc if n.endswith("_desc") else "fp32" if n == "scale"

@@ -183,14 +183,14 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
 
 
-FORMS = ["overlap", "pingpong", "persistent"]  # hopper_attention.FORMS
+FORMS = ["persistent"]  # hopper_attention.FORMS
 
 
 @pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
 def test_the_hopper_kernels_build_for_sm90a_and_overlap_the_softmax_with_the_products():
-    """Both forms compile for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter), fit a
-    Hopper program's 227 KiB of shared memory, and wait for one wgmma group while another is in flight (the softmax
-    beside P V): what they are for; Triton's kernel waits for all (0) each time."""
+    """The Gluon kernel compiles for sm_90a here (Triton's own ptxas, no GPU; in a process without the interpreter),
+    fits a Hopper program's 227 KiB of shared memory, and waits for one wgmma group while another is in flight (the
+    softmax beside P V): what it is for; Triton's kernel waits for all (0) each time."""
     script = ("from ppo_logprobs.workers.models import hopper_attention as h\n"
               "for form in h.FORMS:\n"
               "    c = h.compile_sm90(form)\n"
