@@ -7,6 +7,7 @@ GEMM of the 7B's MLP size, as inside the model (where the profile finds it slowe
   python benchmarks/bench_attention.py --out attention.json   # one H200
   python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
   python benchmarks/bench_attention.py --gluon                # hopper_attention.py's kernels (Hopper): bits, float64
+  python benchmarks/bench_attention.py --launch               # host time of a launch, Triton and Gluon, small rows
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --tiny   # a CPU dry run
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import numpy as np
 import torch
@@ -130,6 +132,34 @@ def gluon_check(time_ms, forms: list[str]) -> None:
                   flush=True)
 
 
+def launch_cost(cuda: bool) -> None:
+    """Microseconds a call of causal_attention._launch takes the host (300 calls, no sync between) and until the device
+    is done, on one segment of 28 / 4 heads (the 7B's), by the Triton kernel at the default tiling and by the Gluon
+    kernel: what causal_attention.GLUON_TOKENS weighs."""
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    base = ca._tiles(128, dtype)._replace(gluon="")
+    forms = ["", "persistent"] if cuda and torch.cuda.get_device_capability()[0] == 9 else [""]
+    print(f"{'tokens':>7} {'kernel':>10} {'host us/call':>13} {'device us/call':>15}")
+    for n in (128, 512, 2048) if cuda else (16,):
+        q, k, v, cu = row_of([n], 28, 4, 128, device, dtype)
+        for form in forms:
+            tiles = base._replace(gluon=form)
+
+            def call(tiles=tiles, q=q, k=k, v=v, cu=cu, n=n):
+                return ca._launch(q, k, v, cu, cu, n, 128**-0.5, None, tiles)
+
+            for _ in range(20 if cuda else 1):
+                call()
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            sync()
+            reps, start = 300 if cuda else 2, time.perf_counter()
+            for _ in range(reps):
+                call()
+            host = (time.perf_counter() - start) / reps * 1e6
+            sync()
+            print(f"{n:>7} {form or 'triton':>10} {host:>13.1f} {(time.perf_counter() - start) / reps * 1e6:>15.1f}")
+
+
 def sm_clock_mhz() -> int | None:
     try:
         return torch.cuda.clock_rate()
@@ -144,9 +174,12 @@ def main() -> None:
     parser.add_argument("--gluon", nargs="*", choices=["persistent"],
                         help="hopper_attention.py's kernel (its forms; default: all) against the Triton kernel at "
                         "its tiling (Hopper), then exit")
+    parser.add_argument("--launch", action="store_true", help="a launch's host time on small rows, then exit")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
+    if args.launch:
+        return launch_cost(cuda)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     time_ms = ms_timer(cuda, rep=200)
     floor = None
