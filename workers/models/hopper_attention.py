@@ -217,6 +217,7 @@ def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, 
         q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(empty.index(last))
+        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
         _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
         g += count
         turns += count - 1
