@@ -227,3 +227,17 @@ def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, 
     walked, walked_lse = _launch(*args, tiles._replace(gluon=form), plan)
     assert torch.equal(walked, out) and torch.equal(walked_lse, lse)
     torch.testing.assert_close(out.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_keys_the_copy_engine_cannot_read_take_the_triton_kernel_with_the_same_bits():
+    """Keys and values 2 bytes off a 16-byte boundary (a view one element into a buffer), which TMA cannot read: the
+    Gluon tiling refuses them and the Triton kernel answers, with the bits it gives aligned copies."""
+    q, k, v, cu_q, cu_k = segments((300, 129), (300, 129), seed=8, dtype=torch.bfloat16, head_dim=128)
+    shifted = [torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view_as(x).copy_(x) for x in (k, v)]
+    assert not hopper_kernels().usable(q, *shifted) and hopper_kernels().usable(q, k, v)
+    tiles = Tiles(128, 128, 8, 3, fused=True)
+    want, want_lse = _launch(q, k, v, cu_q, cu_k, 300, 128**-0.5, None, tiles)
+    got, lse = _launch(q, *shifted, cu_q, cu_k, 300, 128**-0.5, None, tiles._replace(gluon="persistent"))
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
