@@ -139,6 +139,7 @@ def launch_cost(cuda: bool) -> None:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     base = ca._tiles(128, dtype)._replace(gluon="")
     forms = ["", "persistent"] if cuda and torch.cuda.get_device_capability()[0] == 9 else [""]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"{'tokens':>7} {'kernel':>10} {'host us/call':>13} {'device us/call':>15}")
     for n in (128, 512, 2048) if cuda else (16,):
         q, k, v, cu = row_of([n], 28, 4, 128, device, dtype)
@@ -150,7 +151,6 @@ def launch_cost(cuda: bool) -> None:
 
             for _ in range(20 if cuda else 1):
                 call()
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
             sync()
             reps, start = 300 if cuda else 2, time.perf_counter()
             for _ in range(reps):
