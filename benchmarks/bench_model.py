@@ -26,6 +26,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
 from ppo_logprobs.workers.models import causal_attention as ca
+from ppo_logprobs.workers.models import fuse_body as body
 from ppo_logprobs.workers.models.fuse_body import fuse_body, unfuse_body
 from ppo_logprobs.workers.models.patch_model import allow_split_k
 
@@ -59,7 +60,8 @@ def fast(model, backend: str) -> None:
 
 
 # kernel name fragment -> what the time goes to (the first that matches; GEMMs by cuBLAS's kernel names)
-_KINDS = (("attention", "attention"), ("_attn", "attention"), ("_persistent_kernel", "attention"),
+_KINDS = (("_gated_kernel", "gate/up GEMMs + silu (ours)"), ("attention", "attention"), ("_attn", "attention"),
+          ("_persistent_kernel", "attention"),
           ("_rms_norm", "RMSNorm (ours)"), ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
           ("combine_splits", "head (ours)"), ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
           ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))
@@ -225,7 +227,12 @@ def main() -> None:
     parser.add_argument("--gluon", choices=["none", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
+    parser.add_argument("--mlp", choices=["gated", "cublas"],
+                        help="the MLP's gate and up on Hopper: hopper_gated.py's one GEMM with silu(gate) * up in "
+                        "its epilogue (gated), or cuBLAS's two GEMMs and silu_mul's pass (cublas), not the default's")
     args = parser.parse_args()
+    if args.mlp == "cublas":  # (fuse_body reads its kernel through this function at each MLP call)
+        body._hopper_gated = lambda: None
     if args.gluon:  # (the process's tiling table, which every forward here reads)
         ca._WIDE = (ca._WIDE[0]._replace(gluon="" if args.gluon == "none" else args.gluon), *ca._WIDE[1:])
     device = "cpu" if args.tiny else "cuda"

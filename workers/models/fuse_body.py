@@ -10,6 +10,8 @@ Off the Triton backend (the CPU by default) the kernels' torch formulas run inst
 
 from __future__ import annotations
 
+import functools
+import importlib
 import types
 from functools import partial
 
@@ -20,6 +22,7 @@ from torch.nn import functional as F
 from ..families import FAMILIES
 from ..head import Backend, resolve_backend
 from . import varlen_attention
+from .causal_attention import hopper_kernels
 from .experts import experts_forward
 from .rms_norm import rms_norm
 from .rotary import Norm, rotary, rotary_reference
@@ -42,10 +45,26 @@ def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: 
     return type(self).forward(self, x)
 
 
+@functools.cache
+def _hopper_gated():
+    """hopper_gated, where Triton has Gluon's Hopper operations (as causal_attention.hopper_kernels says), or None."""
+    return None if hopper_kernels() is None else importlib.import_module(".hopper_gated", __package__)
+
+
+def _plain(linear: nn.Module) -> bool:
+    """An nn.Linear without bias whose forward is its class's and nothing hooks (its weight is all it computes)."""
+    return (type(linear) is nn.Linear and linear.bias is None and "forward" not in vars(linear)
+            and not linear._forward_hooks and not linear._forward_pre_hooks)
+
+
 def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
-    if resolve_backend(backend, x.device) == "triton":
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-    return type(self).forward(self, x)
+    if resolve_backend(backend, x.device) != "triton":
+        return type(self).forward(self, x)
+    gate, up, hopper = self.gate_proj, self.up_proj, _hopper_gated()
+    if hopper is not None and _plain(gate) and _plain(up) and hopper.usable(x, gate.weight, up.weight):
+        # (chosen by the GPU and the weights, never by the rows: a row's bits do not depend on the batch)
+        return self.down_proj(hopper.gated(x, gate.weight, up.weight))
+    return self.down_proj(silu_mul(gate(x), up(x)))
 
 
 def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str | None, dtype: str, backend: Backend

@@ -1,0 +1,119 @@
+"""hopper_gated.py: the gated MLP's two products with silu(gate) * up in the GEMM's epilogue (Gluon, Hopper). Built for
+sm_90a here; on a Hopper GPU against float64 on odd shapes, a row's bits alone and in a batch, its gradients, and the
+patched MLP taking it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from ppo_logprobs.workers.models.causal_attention import hopper_kernels
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper_kernels() is not None
+
+
+@pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
+def test_the_kernel_builds_for_sm90a_and_keeps_a_step_of_products_in_flight():
+    """Compiled here for sm_90a (no GPU; a process without the interpreter): it fits a Hopper program's shared
+    memory, spills nothing, and waits for the step before while this step's products run (wait_group 2)."""
+    script = ("import sys; sys.path.insert(0, 'benchmarks')\n"
+              "from compile_sm90 import _report\n"
+              "from ppo_logprobs.workers.models import hopper_gated as h\n"
+              "c = h.compile_sm90(); said, _ = _report(c)\n"
+              "print('shared', c.metadata.shared, 'waits2', 'wgmma.wait_group.sync.aligned 2;' in c.asm['ptx'])\n"
+              "print(*said, sep='\\n')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    lines = done.stdout.splitlines()
+    assert lines and lines[0].startswith("shared"), done.stderr[-2000:]
+    _, shared, _, waits = lines[0].split()
+    assert int(shared) <= 232448 and waits == "True", lines
+    assert "0 bytes spill stores" in done.stdout, done.stdout
+
+
+def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
+    gate, up = (torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * k**-0.5 for _ in range(2))
+    return x, gate, up
+
+
+def _exact(x, gate, up):
+    x, gate, up = (t.double() for t in (x, gate, up))
+    return F.silu(x @ gate.T) * (x @ up.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 128), (129, 200, 264), (300, 3584, 136), (1000, 520, 1032)])
+def test_the_middle_is_within_rounding_of_float64_on_odd_shapes(dtype, rows, k, n):
+    """Rows ending inside a tile, K not a multiple of a step, N not a multiple of a tile (but of 8): within the
+    rounding of the dtype (the two products rounded before silu, as HF rounds) of float64, as close as cuBLAS's path;
+    nothing written past the output."""
+    from ppo_logprobs.workers.models import hopper_gated
+    from ppo_logprobs.workers.models.silu_mul import silu_mul
+
+    x, gate, up = _inputs(rows, k, n, dtype)
+    assert hopper_gated.usable(x, gate, up)
+    got = hopper_gated.middle(x, gate, up)
+    exact = _exact(x, gate, up)
+    before = silu_mul(F.linear(x, gate), F.linear(x, up)).double()
+    scale = exact.abs().max()
+    err, err_before = ((y.double() - exact).abs().max() / scale for y in (got, before))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert err <= 2 * max(err_before, torch.finfo(dtype).eps), (err, err_before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_a_rows_bits_do_not_depend_on_the_rows_around_it():
+    """Rows scored alone, in blocks that start inside a tile, and in the whole batch: the same bits."""
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, gate, up = _inputs(700, 512, 384, torch.bfloat16, seed=1)
+    whole = hopper_gated.middle(x, gate, up)
+    for start, stop in ((0, 1), (5, 6), (63, 200), (127, 129), (300, 700)):
+        assert torch.equal(hopper_gated.middle(x[start:stop].clone(), gate, up), whole[start:stop]), (start, stop)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_gradients_are_the_formulas():
+    """`gated` with gradients: the forward's bits are middle's, and the gradients of x and both weights are the
+    torch formula's (fp32 inputs to the reference: within bf16 rounding)."""
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, gate, up = (t.requires_grad_() for t in _inputs(130, 192, 256, torch.bfloat16, seed=2))
+    out = hopper_gated.gated(x[None], gate, up)
+    assert out.shape == (1, 130, 256)
+    assert torch.equal(out[0], hopper_gated.middle(x.detach(), gate.detach(), up.detach()))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, gate, up), grad)
+    leaves = [t.detach().float().requires_grad_() for t in (x, gate, up)]
+    want = torch.autograd.grad(F.silu(F.linear(leaves[0], leaves[1])) * F.linear(leaves[0], leaves[2]), leaves,
+                               grad[0].float())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_what_the_kernel_refuses():
+    """Inputs the copy engine cannot walk (K not a multiple of 8, a base off 16 bytes), fp32, mismatched weights."""
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, gate, up = _inputs(16, 64, 128, torch.bfloat16)
+    assert hopper_gated.usable(x, gate, up)
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    assert not hopper_gated.usable(shifted, gate, up)
+    assert not hopper_gated.usable(x[:, :60], gate[:, :60], up[:, :60])
+    assert not hopper_gated.usable(x.float(), gate.float(), up.float())
+    assert not hopper_gated.usable(x, gate, up[:64])
