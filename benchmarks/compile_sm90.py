@@ -7,7 +7,8 @@ cores: on an H100, the top-k statistics of stop 55 (1,465 instructions more than
 
   python benchmarks/compile_sm90.py      # the first pass, the combine at k = 20, 64, 128, 256 as launched, the
                                          # attention kernel at its tiling and two the sweep tries, then
-                                         # hopper_attention.py's forms, with a window and without
+                                         # hopper_attention.py's forms, with a window and without, and
+                                         # hopper_gated.py's GEMM
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ppo_logprobs.workers.head import triton_log_probs_forward as forward  # noqa: E402
 from ppo_logprobs.workers.models import causal_attention as attn  # noqa: E402
 from ppo_logprobs.workers.models import hopper_attention as ha  # noqa: E402
+from ppo_logprobs.workers.models import hopper_gated  # noqa: E402
 
 I64 = {"labels_ptr", "pair_keys_ptr", "tile_key_ptr", "top_tiles_ptr", "top_ids_ptr", "candidates_ptr"}
 I32 = {"pair_count_ptr", "tile_second_ptr"}
@@ -126,3 +128,5 @@ if __name__ == "__main__":
     for form in ha.FORMS:
         for window in (False, True):
             print(hopper(form, window), flush=True)
+    said, instructions = _report(hopper_gated.compile_sm90())
+    print(f"hopper_gated (the MLP's gate and up): {instructions} instructions; " + "; ".join(said), flush=True)
