@@ -23,7 +23,9 @@ from ppo_logprobs.workers.models.patch_model import allow_split_k
 from ppo_logprobs.workers.models.silu_mul import silu_mul
 
 SHAPES = {"Qwen2.5-7B": (3584, 18944), "Llama-3.1-8B": (4096, 14336), "Qwen2.5-1.5B": (1536, 8960)}  # K, N
+PROJECTIONS = {"Qwen2.5-7B o": (3584, 3584), "Qwen2.5-7B down": (18944, 3584)}  # K, N: plus the residual
 ROWS = (32768, 8192, 2048)
+ERROR = "max abs error / max abs (256 rows, float64)"
 SWEEP = ((4, 8), (3, 8), (4, 4), (4, 16), (4, 1))  # hopper_gated's (stages, group): the default first
 
 
@@ -71,6 +73,24 @@ def main() -> None:
     if args.sweep:
         return sweep(timer, device)
     results = []
+    for name, (k, n) in ({} if args.tiny else PROJECTIONS).items():
+        g = torch.Generator(device=device).manual_seed(0)
+        weight = torch.randn(n, k, device=device, dtype=dtype, generator=g) * k**-0.5
+        x = torch.randn(ROWS[0], k, device=device, dtype=dtype, generator=g)
+        residual = torch.randn(ROWS[0], n, device=device, dtype=dtype, generator=g)
+        row = {"shape": name, "K": k, "N": n, "rows": ROWS[0], "projection": True}
+        for label, fn in {"residual + cuBLAS": lambda: residual + F.linear(x, weight),  # noqa: B023
+                          "floor: cuBLAS alone": lambda: F.linear(x, weight),  # noqa: B023
+                          "hopper_gated.plus": lambda: hopper_gated.plus(x, weight, residual)}.items():  # noqa: B023
+            ms = timer(fn)
+            row[label] = {"ms": ms, "tflops": 2 * ROWS[0] * k * n / ms / 1e9}
+        exact = residual[:256].double() + x[:256].double() @ weight.double().T
+        row[ERROR] = {  # (cuBLAS's path, then ours)
+            label: (y[:256].double() - exact).abs().max().item() / exact.abs().max().item()
+            for label, y in (("residual + cuBLAS", residual + F.linear(x, weight)),
+                             ("hopper_gated.plus", hopper_gated.plus(x, weight, residual)))}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     for name, (k, n) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
         gate, up = (torch.randn(n, k, device=device, dtype=dtype, generator=g) * k**-0.5 for _ in range(2))
@@ -108,7 +128,13 @@ def main() -> None:
     labels = list(paths(gate, up, fused))
     print(f"{'shape':14} {'rows':>6} " + " ".join(f"{label:>24}" for label in labels))
     for row in results:
-        if "rows" in row:
+        if row.get("projection"):
+            print(f"{row['shape']:16} {row['rows']:6d} " + " ".join(
+                f"{label} {row[label]['ms']:.3f} ({row[label]['tflops']:.1f})"
+                for label in ("residual + cuBLAS", "floor: cuBLAS alone", "hopper_gated.plus"))
+                + "  errors " + ", ".join(f"{e:.2e}" for e in row[ERROR].values()))
+    for row in results:
+        if "rows" in row and not row.get("projection"):
             print(f"{row['shape']:14} {row['rows']:6d} " + " ".join(
                 f"{row[label]['ms']:11.3f} ({row[label]['tflops']:6.1f})" if label in row else f"{'':>24}"
                 for label in labels))

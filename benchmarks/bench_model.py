@@ -60,8 +60,8 @@ def fast(model, backend: str) -> None:
 
 
 # kernel name fragment -> what the time goes to (the first that matches; GEMMs by cuBLAS's kernel names)
-_KINDS = (("_gated_kernel", "gate/up GEMMs + silu (ours)"), ("attention", "attention"), ("_attn", "attention"),
-          ("_persistent_kernel", "attention"),
+_KINDS = (("_body_gemm_kernel", "GEMMs (ours: gate/up + silu, + residual)"), ("attention", "attention"),
+          ("_attn", "attention"), ("_persistent_kernel", "attention"),
           ("_rms_norm", "RMSNorm (ours)"), ("_silu_mul", "silu(gate) * up (ours)"), ("log_probs", "head (ours)"),
           ("combine_splits", "head (ours)"), ("flash", "attention"), ("fmha", "attention"), ("cudnn", "attention"),
           ("gemm", "GEMMs"), ("nvjet", "GEMMs"), ("xmma", "GEMMs"), ("cutlass", "GEMMs"), ("gemv", "GEMMs"))
@@ -227,12 +227,15 @@ def main() -> None:
     parser.add_argument("--gluon", choices=["none", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
-    parser.add_argument("--mlp", choices=["gated", "cublas"],
-                        help="the MLP's gate and up on Hopper: hopper_gated.py's one GEMM with silu(gate) * up in "
-                        "its epilogue (gated), or cuBLAS's two GEMMs and silu_mul's pass (cublas), not the default's")
+    parser.add_argument("--mlp", choices=["ours", "gated", "cublas"],
+                        help="the body's GEMMs on Hopper, not the default's (ours: hopper_gated.py's gate and up with "
+                        "silu(gate) * up in the epilogue, and the o and down projections with the residual added in "
+                        "theirs; gated: the first alone, the layers' adds torch's; cublas: cuBLAS and silu_mul's pass)")
     args = parser.parse_args()
-    if args.mlp == "cublas":  # (fuse_body reads its kernel through this function at each MLP call)
+    if args.mlp == "cublas":  # (fuse_body reads its kernels through this function at each call)
         body._hopper_gated = lambda: None
+    if args.mlp == "gated":  # (the layers fuse_body patches, read when the model is patched below)
+        body._LAYERS = set()
     if args.gluon:  # (the process's tiling table, which every forward here reads)
         ca._WIDE = (ca._WIDE[0]._replace(gluon="" if args.gluon == "none" else args.gluon), *ca._WIDE[1:])
     device = "cpu" if args.tiny else "cuda"

@@ -3,7 +3,8 @@
 For each HF `model_type`: the class-name prefix of its modules (`<prefix>RMSNorm`, `<prefix>Attention`), the config
 field of its final-logit softcap, how its RMSNorm scales (fused when known), where its attention's sliding window
 comes from (fused when known: the module, its config, or none), whether it runs tensor parallel, and whether its
-MoE blocks' experts (`<prefix>Experts`) run sorted by expert (models/experts.py) and how its router weighs them.
+MoE blocks' experts (`<prefix>Experts`) run sorted by expert (models/experts.py) and how its router weighs them, and
+whether its decoder layer is the plain pre-norm one.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ class Family:
     # its softmax top-k router (`<prefix>TopKRouter`) in one kernel (models/router.py): (the attribute saying whether
     # it renormalises its top k, None: always; its weights' dtype: the logits' or fp32)
     router: tuple[str | None, Literal["logits", "float32"]] | None = None
+    # its decoder layer is HF's plain pre-norm one (norm, attention, add; norm, MLP, add): on Hopper the two adds run
+    # in the o and down projections' epilogues (models/hopper_gated.py)
+    plain_layer: bool = False
 
 
 _LLAMA_NORM = ("llama", "variance_epsilon")
 _GEMMA_NORM = ("gemma", "eps")
 _QWEN_ROUTER = ("norm_topk_prob", "logits")
 FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama", norm=_LLAMA_NORM, window="none", tensor_parallel=True),
-    "mistral": Family("Mistral", norm=_LLAMA_NORM, window="config", tensor_parallel=True),
-    "qwen2": Family("Qwen2", norm=_LLAMA_NORM, window="module", tensor_parallel=True),
-    "qwen3": Family("Qwen3", norm=_LLAMA_NORM, window="module", tensor_parallel=True),
+    "llama": Family("Llama", norm=_LLAMA_NORM, window="none", tensor_parallel=True, plain_layer=True),
+    "mistral": Family("Mistral", norm=_LLAMA_NORM, window="config", tensor_parallel=True, plain_layer=True),
+    "qwen2": Family("Qwen2", norm=_LLAMA_NORM, window="module", tensor_parallel=True, plain_layer=True),
+    "qwen3": Family("Qwen3", norm=_LLAMA_NORM, window="module", tensor_parallel=True, plain_layer=True),
     "phi3": Family("Phi3", norm=_LLAMA_NORM),
     "gemma2": Family("Gemma2", softcap="final_logit_softcapping", norm=_GEMMA_NORM),
     "gemma3_text": Family("Gemma3", softcap="final_logit_softcapping", norm=_GEMMA_NORM, window="module",

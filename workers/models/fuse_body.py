@@ -1,7 +1,9 @@
 """The decoder body's memory-bound work in our Triton kernels: RMSNorm (rms_norm.py), the SiLU-gated MLP's middle
 (silu_mul.py), mixture-of-experts layers sorted by expert (experts.py) and their routers (router.py), and, for rows
 of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen
-kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads.
+kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads. On Hopper the MLP's gate and up
+are one GEMM with the middle in its epilogue, and in the families whose decoder layer is the plain pre-norm one the
+layer's two residual adds run in the o and down projections' epilogues (hopper_gated.py).
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
@@ -37,6 +39,7 @@ _ATTENTIONS = {f"{f.prefix}Attention": f.window for f in FAMILIES.values() if f.
 _EXPERTS = {f"{f.prefix}Experts" for f in FAMILIES.values() if f.experts}  # MoE experts: models/experts.py
 _ROUTERS = {f"{f.prefix}TopKRouter": f.router for f in FAMILIES.values() if f.router}  # (see families.py)
 _MLPS = {f"{f.prefix}MLP" for f in FAMILIES.values()}  # (those with gate/up/down and SiLU: silu_mul.py)
+_LAYERS = {f"{f.prefix}DecoderLayer" for f in FAMILIES.values() if f.plain_layer}  # (adds in the projections)
 
 
 def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
@@ -57,14 +60,42 @@ def _plain(linear: nn.Module) -> bool:
             and not linear._forward_hooks and not linear._forward_pre_hooks)
 
 
-def _mlp_forward(self: nn.Module, x: Tensor, *, backend: Backend) -> Tensor:
+def _ours(module: nn.Module, forward) -> bool:
+    """Whether fuse_body gave this module this forward."""
+    return getattr(getattr(vars(module).get("forward"), "__func__", None), "func", None) is forward
+
+
+def _project(linear: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
+    """linear(x), plus the residual when given: one GEMM with the add in its epilogue where hopper_gated runs it,
+    else torch's add after the projection (a projection of a tensor-parallel model is summed over its group first)."""
+    if residual is None:
+        return linear(x)
+    hopper = _hopper_gated()
+    if (hopper is not None and _plain(linear) and hopper.usable(x, linear.weight, linear.weight)
+            and residual.dtype == x.dtype and residual.shape == (*x.shape[:-1], linear.weight.shape[0])):
+        return hopper.projected(x, linear.weight, residual)
+    return residual + linear(x)
+
+
+def _mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None, *, backend: Backend) -> Tensor:
     if resolve_backend(backend, x.device) != "triton":
-        return type(self).forward(self, x)
+        y = type(self).forward(self, x)
+        return y if residual is None else residual + y
     gate, up, hopper = self.gate_proj, self.up_proj, _hopper_gated()
     if hopper is not None and _plain(gate) and _plain(up) and hopper.usable(x, gate.weight, up.weight):
         # (chosen by the GPU and the weights, never by the rows: a row's bits do not depend on the batch)
-        return self.down_proj(hopper.gated(x, gate.weight, up.weight))
-    return self.down_proj(silu_mul(gate(x), up(x)))
+        return _project(self.down_proj, hopper.gated(x, gate.weight, up.weight), residual)
+    return _project(self.down_proj, silu_mul(gate(x), up(x)), residual)
+
+
+def _layer_forward(self: nn.Module, hidden_states: Tensor, *args, backend: Backend, **kwargs) -> Tensor:
+    """HF's plain pre-norm decoder layer with its two adds handed to the fused attention block and MLP as residuals
+    (added in their last projections' epilogues), for packed rows on Triton; any other call is HF's own."""
+    if (args or kwargs.get("cu_seq_lens") is None or resolve_backend(backend, hidden_states.device) != "triton"
+            or not (_ours(self.self_attn, _attention_forward) and _ours(self.mlp, _mlp_forward))):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), residual=hidden_states, **kwargs)
+    return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str | None, dtype: str, backend: Backend
@@ -85,12 +116,14 @@ def _head_norm(module: nn.Module | None) -> Norm | None:
     return module.weight, getattr(module, eps), style
 
 
-def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend, **kwargs
-                       ) -> tuple[Tensor, None]:
-    """HF's attention block for one packed row ([1, T, E]) given cu_seq_lens; any other call is HF's own."""
+def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend,
+                       residual: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
+    """HF's attention block for one packed row ([1, T, E]) given cu_seq_lens, plus the residual when given; any other
+    call is HF's own."""
     cu_seq_lens = kwargs.get("cu_seq_lens")
     if cu_seq_lens is None or (self.training and self.attention_dropout > 0):
-        return type(self).forward(self, hidden_states=hidden_states, **kwargs)
+        out, weights = type(self).forward(self, hidden_states=hidden_states, **kwargs)
+        return (out if residual is None else residual + out), weights
     t = hidden_states.shape[1]
     q, k, v = (proj(hidden_states).view(t, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
     cos, sin = (x.reshape(t, -1) for x in kwargs["position_embeddings"])  # [T, D]
@@ -105,7 +138,7 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
                "none": None}[window]
     out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding,
                                   kwargs.get("shared_keys"), kwargs.get("attention_plan"))
-    return self.o_proj(out.reshape(1, t, -1)), None
+    return _project(self.o_proj, out.reshape(1, t, -1), residual), None
 
 
 def _fusable(model: nn.Module):
@@ -122,14 +155,17 @@ def _fusable(model: nn.Module):
         elif (name in _MLPS and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
               and type(getattr(module, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")):
             forward = _mlp_forward
+        elif name in _LAYERS:
+            forward = _layer_forward
         else:
             continue
         yield module, forward
 
 
 def fuse_body(model: nn.Module, backend: Backend = "auto") -> None:
-    """Gives the body's RMSNorms, SiLU-gated MLPs and attention blocks (of the families in the tables above) the
-    forwards that run our kernels where `backend` resolves to Triton (CUDA by default), else their torch formulas."""
+    """Gives the body's RMSNorms, SiLU-gated MLPs, attention blocks and plain decoder layers (of the families in the
+    tables above) the forwards that run our kernels where `backend` resolves to Triton (CUDA by default), else their
+    torch formulas."""
     for module, forward in _fusable(model):
         module.forward = types.MethodType(partial(forward, backend=backend), module)
 

@@ -15,10 +15,10 @@ from .test_patch_model import FAMILIES, batch, pack, tiny
 # family -> the modules (class name without the family's prefix) that get our forwards: the RMSNorms, the
 # attention blocks with separate q/k/v projections, the MoE experts and the SiLU-gated MLPs (Gemma's are GELU)
 FUSED = {
-    "llama": {"RMSNorm", "Attention", "MLP"},
-    "mistral": {"RMSNorm", "Attention", "MLP"},
-    "qwen2": {"RMSNorm", "Attention", "MLP"},
-    "qwen3": {"RMSNorm", "Attention", "MLP"},
+    "llama": {"RMSNorm", "Attention", "MLP", "DecoderLayer"},  # (plain layers: adds in the projections)
+    "mistral": {"RMSNorm", "Attention", "MLP", "DecoderLayer"},
+    "qwen2": {"RMSNorm", "Attention", "MLP", "DecoderLayer"},
+    "qwen3": {"RMSNorm", "Attention", "MLP", "DecoderLayer"},
     "phi3": {"RMSNorm"},  # fused qkv_proj and gate_up_proj: HF's attention and MLP
     "gemma2": {"RMSNorm"},  # attention logits capped: HF's attention
     "gemma3": {"RMSNorm", "Attention"},
@@ -121,7 +121,7 @@ def test_unfuse_body_leaves_the_forwards_it_did_not_give():
     """patch_model's scoring forward on the model stays; only the body's modules go back to HF's (invariant=False:
     no process-wide setting touched)."""
     model = patch_model(model_of("qwen2"), backend="torch", invariant=False)
-    assert own_forwards(model) == {"ForCausalLM", "RMSNorm", "Attention", "MLP"}
+    assert own_forwards(model) == {"ForCausalLM", "RMSNorm", "Attention", "MLP", "DecoderLayer"}
     unfuse_body(model)
     assert own_forwards(model) == {"ForCausalLM"}
     ids, mask = batch("right")

@@ -117,3 +117,63 @@ def test_what_the_kernel_refuses():
     assert not hopper_gated.usable(x[:, :60], gate[:, :60], up[:, :60])
     assert not hopper_gated.usable(x.float(), gate.float(), up.float())
     assert not hopper_gated.usable(x, gate, up[:64])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 128), (129, 200, 264), (300, 3584, 136), (1000, 520, 1032)])
+def test_a_projection_plus_the_residual_is_hfs_rounding_of_float64(dtype, rows, k, n):
+    """`plus`: residual + x @ weight.T on odd shapes (N ending inside either half of a 256-column tile), within the
+    dtype's rounding of float64 and as close as torch's `residual + linear(x)`; rows alone and in the batch: the
+    same bits."""
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, weight, _ = _inputs(rows, k, n, dtype, seed=3)
+    residual = torch.randn(rows, n, device="cuda", dtype=dtype)
+    got = hopper_gated.plus(x, weight, residual)
+    exact = residual.double() + x.double() @ weight.double().T
+    before = (residual + F.linear(x, weight)).double()
+    scale = exact.abs().max()
+    err, err_before = ((y.double() - exact).abs().max() / scale for y in (got, before))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    assert err <= 2 * max(err_before, torch.finfo(dtype).eps), (err, err_before)
+    for start, stop in ((0, 1), (rows // 2, rows)):
+        alone = hopper_gated.plus(x[start:stop].clone(), weight, residual[start:stop].clone())
+        assert torch.equal(alone, got[start:stop]), (start, stop)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_a_projections_gradients_are_the_formulas():
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, weight, _ = _inputs(130, 192, 264, torch.bfloat16, seed=4)
+    residual = torch.randn(1, 130, 264, device="cuda", dtype=torch.bfloat16)
+    x, weight, residual = (t.requires_grad_() for t in (x, weight, residual))
+    out = hopper_gated.projected(x[None], weight, residual)
+    assert out.shape == residual.shape
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, weight, residual), grad)
+    leaves = [t.detach().float().requires_grad_() for t in (x, weight, residual)]
+    want = torch.autograd.grad(leaves[2] + F.linear(leaves[0][None], leaves[1]), leaves, grad.float())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_a_patched_model_runs_its_layers_through_the_kernels(monkeypatch):
+    """The tiny Qwen2 in bf16, patched: a packed forward runs each layer's gate and up as one `gated` call and its
+    two adds in `projected` (o and down); test_patch_model's GPU tests check the same forward's bits and numbers."""
+    from ppo_logprobs.workers.models import hopper_gated, load_model
+
+    calls = []
+    for name in ("gated", "projected"):
+        real = getattr(hopper_gated, name)
+        monkeypatch.setattr(hopper_gated, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    model = load_model("tiny", device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 300), device="cuda"))
+    layers = model.config.num_hidden_layers
+    assert sorted(calls) == ["gated"] * layers + ["projected"] * (2 * layers), calls
