@@ -62,12 +62,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run, small shapes")
     parser.add_argument("--sweep", action="store_true", help="hopper_gated's ring and tile order on the 7B's shape")
+    parser.add_argument("--projections", action="store_true", help="only the o and down projections (plus)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     allow_split_k(False)
-    shapes = {"tiny": (64, 96)} if args.tiny else SHAPES
+    shapes = {"tiny": (64, 96)} if args.tiny else {} if args.projections else SHAPES
     rows_list = (300, 64) if args.tiny else ROWS
     timer = ms_timer(cuda)
     if args.sweep:
@@ -118,21 +119,21 @@ def main() -> None:
                             sum(int((a != whole[:len(a)]).any(1).sum()) for a in alone)})
             print(json.dumps(results[-1]), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__, "options": {"tiny": True} if args.tiny else {}, "invariant": True,
+            "torch": torch.__version__, "options": {k: v for k, v in vars(args).items() if v and k != "out"}, "invariant": True,
             "tile": dict(rows=2 * hopper_gated.ROWS, columns=hopper_gated.COLUMNS, depth=hopper_gated.DEPTH,
                          stages=hopper_gated.STAGES, group=hopper_gated.GROUP)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"\n{meta['gpu']}: ms (TFLOP/s)")
-    labels = list(paths(gate, up, fused))
-    print(f"{'shape':14} {'rows':>6} " + " ".join(f"{label:>24}" for label in labels))
     for row in results:
         if row.get("projection"):
             print(f"{row['shape']:16} {row['rows']:6d} " + " ".join(
                 f"{label} {row[label]['ms']:.3f} ({row[label]['tflops']:.1f})"
                 for label in ("residual + cuBLAS", "floor: cuBLAS alone", "hopper_gated.plus"))
                 + "  errors " + ", ".join(f"{e:.2e}" for e in row[ERROR].values()))
+    labels = list(paths(gate, up, fused)) if shapes else []
+    print(f"{'shape':14} {'rows':>6} " + " ".join(f"{label:>24}" for label in labels))
     for row in results:
         if "rows" in row and not row.get("projection"):
             print(f"{row['shape']:14} {row['rows']:6d} " + " ".join(
