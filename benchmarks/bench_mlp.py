@@ -119,7 +119,8 @@ def main() -> None:
                             sum(int((a != whole[:len(a)]).any(1).sum()) for a in alone)})
             print(json.dumps(results[-1]), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__, "options": {k: v for k, v in vars(args).items() if v and k != "out"}, "invariant": True,
+            "torch": torch.__version__, "invariant": True,
+            "options": {k: v for k, v in vars(args).items() if v and k != "out"},
             "tile": dict(rows=2 * hopper_gated.ROWS, columns=hopper_gated.COLUMNS, depth=hopper_gated.DEPTH,
                          stages=hopper_gated.STAGES, group=hopper_gated.GROUP)}
     if args.out:
