@@ -42,7 +42,7 @@ def _descendants() -> set[int]:
 def _processes_gone_after_the_file():
     """After a file, wait until the processes it started have exited: ray.shutdown() does not wait for them, and
     the next file's Ray would otherwise meet them (a second replica of a deployment's name, a GCS for
-    connect_pool() to choose from). Only this process's own: `make test` runs Ray files in two processes side by
+    connect_pool() to choose from). Only this process's own: `make test` runs Ray files in three processes side by
     side, each file with a Ray of its own."""
     import time
 
