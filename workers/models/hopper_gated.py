@@ -233,9 +233,9 @@ def middle(x: Tensor, gate: Tensor, up: Tensor, stages: int = STAGES, group: int
 
 
 def plus(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
-    """residual + x @ weight.T for x [M, K], weight [N, K] and residual [M, N] (each product rounded to the dtype
-    first, as HF's `residual + proj(x)` rounds), as `usable(x, weight, weight)` says and with the residual's rows
-    16-byte aligned: one launch, no autograd."""
+    """residual + x @ weight.T for x [M, K], weight [N, K] and residual [M, N] of x's dtype (the product rounded to
+    the dtype first, as HF's `residual + proj(x)` rounds), as `usable(x, weight, weight)` says: one launch, no
+    autograd."""
     x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
     out = torch.empty_like(residual)
     return _launch(x, weight, weight, out, residual, STAGES, GROUP)
