@@ -128,5 +128,6 @@ if __name__ == "__main__":
     for form in ha.FORMS:
         for window in (False, True):
             print(hopper(form, window), flush=True)
-    said, instructions = _report(hopper_gated.compile_sm90())
-    print(f"hopper_gated (the MLP's gate and up): {instructions} instructions; " + "; ".join(said), flush=True)
+    for gated, what in ((True, "the MLP's gate and up"), (False, "a projection plus the residual")):
+        said, instructions = _report(hopper_gated.compile_sm90(gated))
+        print(f"hopper_gated ({what}): {instructions} instructions; " + "; ".join(said), flush=True)
