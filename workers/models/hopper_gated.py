@@ -36,10 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .hopper_attention import _DTYPES, _tma_load
+
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
-_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second names)
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
 
 
 def usable(x: Tensor, gate: Tensor, up: Tensor) -> bool:
