@@ -85,10 +85,23 @@ def _loads(x_desc, g_desc, u_desc, x_smem, g_smem, u_smem, ready, empty, n_step,
 
 
 @gluon.jit
-def _tile_products(half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, zero):
-    """This warpgroup's 64 rows of a tile, both products over K from steps i .. i + k_steps - 1 of the ring, one
-    step's products in flight while the next step's are issued; each buffer released once its products are done."""
+def _zero(x_smem, g_smem):
+    """A warpgroup's accumulator of 64 rows x COLUMNS, zero, in wgmma's layout."""
+    ROWS: gl.constexpr = x_smem.shape[1]
+    COLUMNS: gl.constexpr = g_smem.shape[1]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                  instr_shape=[16, COLUMNS, 16])
+    return gl.zeros([ROWS, COLUMNS], gl.float32, mma)
+
+
+@gluon.jit
+def _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps, zero,
+                   GROUP: gl.constexpr):
+    """Tile t's row and column blocks, and this warpgroup's 64 rows of it: both products over K from steps i ..
+    i + k_steps - 1 of the ring, one step's products in flight while the next step's are issued; each buffer
+    released once its products are done."""
     STAGES: gl.constexpr = g_smem.shape[0]
+    m, n = _tile(t, m_tiles, n_tiles, GROUP)
     st = i % STAGES
     mbarrier.wait(ready.index(st), (i // STAGES) & 1)
     a = x_smem.index(2 * st + half)
@@ -105,7 +118,7 @@ def _tile_products(half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, zero)
         mbarrier.arrive(empty.index((i + k - 1) % STAGES))
     g, u = warpgroup_mma_wait(0, deps=(g, u))
     mbarrier.arrive(empty.index((i + k_steps - 1) % STAGES))
-    return g, u
+    return m, n, g, u
 
 
 @gluon.jit
@@ -115,13 +128,11 @@ def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_de
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
     dtype: gl.constexpr = out_desc.dtype
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
-                                                  instr_shape=[16, COLUMNS, 16])
-    zero = gl.zeros([ROWS, COLUMNS], gl.float32, mma)
+    zero = _zero(x_smem, g_smem)
     i = 0
     for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-        m, n = _tile(t, m_tiles, n_tiles, GROUP)
-        g, u = _tile_products(half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, zero)
+        m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
+                                    zero, GROUP)
         i += k_steps
         gate = g.to(dtype).to(gl.float32)
         middle = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
@@ -139,25 +150,24 @@ def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
     TMA one half after the other."""
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
-                                                  instr_shape=[16, COLUMNS, 16])
-    zero = gl.zeros([ROWS, COLUMNS], gl.float32, mma)
+    zero = _zero(x_smem, g_smem)
     i = 0
     for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-        m, n = _tile(t, m_tiles, n_tiles, GROUP)
-        g, u = _tile_products(half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, zero)
+        m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
+                                    zero, GROUP)
         i += k_steps
         r0 = m * 2 * ROWS + half * ROWS
-        _add_store(g, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS, mma)
-        _add_store(u, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS + COLUMNS, mma)
+        _add_store(g, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS)
+        _add_store(u, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS + COLUMNS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _add_store(acc, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, c0, layout: gl.constexpr):
+def _add_store(acc, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, c0):
     """Rows r0.. and columns c0.. of the output: the product rounded to the dtype plus the residual's, rounded (HF's
     `residual + x`), stored by TMA."""
     dtype: gl.constexpr = out_desc.dtype
+    layout: gl.constexpr = acc.type.layout
     rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     cols = c0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
     inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
