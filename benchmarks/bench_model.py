@@ -227,11 +227,14 @@ def main() -> None:
     parser.add_argument("--gluon", choices=["none", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
-    parser.add_argument("--mlp", choices=["ours", "gated", "cublas"],
+    parser.add_argument("--mlp", choices=["ours", "no-qkv", "gated", "cublas"],
                         help="the body's GEMMs on Hopper, not the default's (ours: hopper_gated.py's gate and up with "
-                        "silu(gate) * up in the epilogue, and the o and down projections with the residual added in "
-                        "theirs; gated: the first alone, the layers' adds torch's; cublas: cuBLAS and silu_mul's pass)")
+                        "silu(gate) * up in the epilogue, q/k/v with biases and rotary in theirs, and the o and down "
+                        "projections with the residual added in theirs; no-qkv: q/k/v by cuBLAS and rotary.py; gated: "
+                        "gate and up alone, the layers' adds torch's; cublas: cuBLAS and silu_mul's pass)")
     args = parser.parse_args()
+    if args.mlp in ("no-qkv", "gated"):
+        body._rotated_qkv = lambda *_: None
     if args.mlp == "cublas":  # (fuse_body reads its kernels through this function at each call)
         body._hopper_gated = lambda: None
     if args.mlp == "gated":  # (the layers fuse_body patches, read when the model is patched below)

@@ -128,6 +128,7 @@ if __name__ == "__main__":
     for form in ha.FORMS:
         for window in (False, True):
             print(hopper(form, window), flush=True)
-    for gated, what in ((True, "the MLP's gate and up"), (False, "a projection plus the residual")):
-        said, instructions = _report(hopper_gated.compile_sm90(gated))
+    for mode, what in ((hopper_gated.GATED, "the MLP's gate and up"), (hopper_gated.PLUS, "a projection plus the "
+                       "residual"), (hopper_gated.QKV, "q, k, v with biases and rotary")):
+        said, instructions = _report(hopper_gated.compile_sm90(mode))
         print(f"hopper_gated ({what}): {instructions} instructions; " + "; ".join(said), flush=True)

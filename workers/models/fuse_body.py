@@ -2,8 +2,9 @@
 (silu_mul.py), mixture-of-experts layers sorted by expert (experts.py) and their routers (router.py), and, for rows
 of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen
 kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads. On Hopper the MLP's gate and up
-are one GEMM with the middle in its epilogue, and in the families whose decoder layer is the plain pre-norm one the
-layer's two residual adds run in the o and down projections' epilogues (hopper_gated.py).
+are one GEMM with the middle in its epilogue; an attention block's q, k and v (heads of 128, no q/k norm) are one GEMM
+with the biases and the rotation in its epilogue; and in the families whose decoder layer is the plain pre-norm one
+the layer's two residual adds run in the o and down projections' epilogues (hopper_gated.py).
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
@@ -54,10 +55,15 @@ def _hopper_gated():
     return None if hopper_kernels() is None else importlib.import_module(".hopper_gated", __package__)
 
 
+def _linear(linear: nn.Module) -> bool:
+    """An nn.Linear whose forward is its class's and nothing hooks (its weight and bias are all it computes)."""
+    return (type(linear) is nn.Linear and "forward" not in vars(linear) and not linear._forward_hooks
+            and not linear._forward_pre_hooks)
+
+
 def _plain(linear: nn.Module) -> bool:
-    """An nn.Linear without bias whose forward is its class's and nothing hooks (its weight is all it computes)."""
-    return (type(linear) is nn.Linear and linear.bias is None and "forward" not in vars(linear)
-            and not linear._forward_hooks and not linear._forward_pre_hooks)
+    """A `_linear` without bias."""
+    return _linear(linear) and linear.bias is None
 
 
 def _ours(module: nn.Module, forward) -> bool:
@@ -116,6 +122,19 @@ def _head_norm(module: nn.Module | None) -> Norm | None:
     return module.weight, getattr(module, eps), style
 
 
+def _rotated_qkv(self: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """An attention block's q, k (rotated) and v [T, heads, D] for rows x [T, E] as one GEMM with the biases and the
+    rotation in its epilogue, where hopper_gated runs it (heads of its COLUMNS elements); else None."""
+    hopper, projections = _hopper_gated(), (self.q_proj, self.k_proj, self.v_proj)
+    if hopper is None or self.head_dim != hopper.COLUMNS or not all(_linear(p) for p in projections):
+        return None
+    weights, biases = tuple(p.weight for p in projections), tuple(p.bias for p in projections)
+    biases = None if biases == (None,) * 3 else biases
+    if not hopper.qkv_usable(x, weights, biases, cos, sin):
+        return None
+    return tuple(y.view(len(x), -1, self.head_dim) for y in hopper.rotated_qkv(x, weights, biases, cos, sin))
+
+
 def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend,
                        residual: Tensor | None = None, **kwargs) -> tuple[Tensor, None]:
     """HF's attention block for one packed row ([1, T, E]) given cu_seq_lens, plus the residual when given; any other
@@ -125,15 +144,20 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
         out, weights = type(self).forward(self, hidden_states=hidden_states, **kwargs)
         return (out if residual is None else residual + out), weights
     t = hidden_states.shape[1]
-    q, k, v = (proj(hidden_states).view(t, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
     cos, sin = (x.reshape(t, -1) for x in kwargs["position_embeddings"])  # [T, D]
     norms = [getattr(self, name, None) for name in ("q_norm", "k_norm")]
-    if resolve_backend(backend, q.device) == "triton" and all(n is None or type(n).__name__ in _NORMS for n in norms):
-        q, k = (rotary(x, cos, sin, _head_norm(n)) for x, n in zip((q, k), norms, strict=True))
+    triton = resolve_backend(backend, hidden_states.device) == "triton"
+    fused = _rotated_qkv(self, hidden_states.reshape(t, -1), cos, sin) if triton and norms == [None, None] else None
+    if fused is not None:
+        q, k, v = fused
     else:
-        if norms[0] is not None:
-            q, k = norms[0](q), norms[1](k)
-        q, k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)  # [T, H or Hkv, D]
+        q, k, v = (p(hidden_states).view(t, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if triton and all(n is None or type(n).__name__ in _NORMS for n in norms):
+            q, k = (rotary(x, cos, sin, _head_norm(n)) for x, n in zip((q, k), norms, strict=True))
+        else:
+            if norms[0] is not None:
+                q, k = norms[0](q), norms[1](k)
+            q, k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)  # [T, H or Hkv, D]
     sliding = {"module": getattr(self, "sliding_window", None), "config": getattr(self.config, "sliding_window", None),
                "none": None}[window]
     out = varlen_attention.attend(q, k, v, cu_seq_lens, kwargs["max_length"], self.scaling, sliding,

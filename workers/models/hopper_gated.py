@@ -37,18 +37,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_attention import _DTYPES, _tma_load
+from .rotary import unrotate
 
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
 
 
-def usable(x: Tensor, gate: Tensor, up: Tensor) -> bool:
-    """The kernel runs these here: a Hopper GPU, bf16 or fp16, weights [N, K] of one shape, rows whose strides the
-    copy engine can walk (K a multiple of 8, 16-byte aligned bases)."""
+def _copyable(x: Tensor, *weights: Tensor) -> bool:
+    """A Hopper GPU, bf16 or fp16, weights [N, K] of x's dtype, rows whose strides the copy engine can walk (K a
+    multiple of 8, 16-byte aligned bases)."""
     k = x.shape[-1]
     return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and x.dtype in _DTYPES
-            and gate.dtype == up.dtype == x.dtype and gate.shape == up.shape and gate.shape[1] == k
-            and k % 8 == 0 and gate.shape[0] % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (x, gate, up)))
+            and all(w.dtype == x.dtype and w.shape[1] == k and w.shape[0] % 8 == 0 for w in weights)
+            and k % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in (x, *weights)))
+
+
+def usable(x: Tensor, gate: Tensor, up: Tensor) -> bool:
+    """The kernel runs these here: weights of one shape, as `_copyable` says."""
+    return gate.shape == up.shape and _copyable(x, gate, up)
 
 
 @gluon.jit
@@ -61,15 +67,27 @@ def _tile(t, m_tiles, n_tiles, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _loads(x_desc, g_desc, u_desc, x_smem, g_smem, u_smem, ready, empty, n_step, n_second, m_tiles, n_tiles, k_steps,
-           GROUP: gl.constexpr):
+def _load_weight(w0_desc, w1_desc, w2_desc, n0, n1, c, k, bar, dst):
+    """Rows c.. of the weights' concatenation [w0; w1; w2] (w0 has n0 rows, w1 n1), step k, into dst by TMA."""
+    if c < n0:
+        _tma_load(w0_desc, [c, k], bar, dst)
+    elif c < n0 + n1:
+        _tma_load(w1_desc, [c - n0, k], bar, dst)
+    else:
+        _tma_load(w2_desc, [c - n0 - n1, k], bar, dst)
+
+
+@gluon.jit
+def _loads(x_desc, w0_desc, w1_desc, w2_desc, n0, n1, x_smem, g_smem, u_smem, ready, empty, n_step, n_second, m_tiles,
+           n_tiles, k_steps, GROUP: gl.constexpr):
     """The loads (one warp): step i (counted over all the program's tiles) into buffer i % STAGES once both
-    warpgroups released its last use; the weights' rows n * n_step and n * n_step + n_second (gated: both weights at
-    the tile's columns; a projection: the one weight's two halves of its 2 x COLUMNS columns)."""
+    warpgroups released its last use; rows n * n_step and n * n_step + n_second of the weights' concatenation
+    (gated: [gate; up], so both weights at the tile's columns; a projection: the one weight's two halves of its
+    2 x COLUMNS columns; q/k/v: two heads of [q; k; v])."""
     STAGES: gl.constexpr = g_smem.shape[0]
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     DEPTH: gl.constexpr = x_desc.block_type.shape[1]
-    nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * g_desc.block_type.nbytes
+    nbytes: gl.constexpr = 2 * x_desc.block_type.nbytes + 2 * w0_desc.block_type.nbytes
     i = 0
     for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
         m, n = _tile(t, m_tiles, n_tiles, GROUP)
@@ -79,8 +97,9 @@ def _loads(x_desc, g_desc, u_desc, x_smem, g_smem, u_smem, ready, empty, n_step,
             mbarrier.expect(ready.index(st), nbytes)
             _tma_load(x_desc, [m * 2 * ROWS, k * DEPTH], ready.index(st), x_smem.index(2 * st))
             _tma_load(x_desc, [m * 2 * ROWS + ROWS, k * DEPTH], ready.index(st), x_smem.index(2 * st + 1))
-            _tma_load(g_desc, [n * n_step, k * DEPTH], ready.index(st), g_smem.index(st))
-            _tma_load(u_desc, [n * n_step + n_second, k * DEPTH], ready.index(st), u_smem.index(st))
+            _load_weight(w0_desc, w1_desc, w2_desc, n0, n1, n * n_step, k * DEPTH, ready.index(st), g_smem.index(st))
+            _load_weight(w0_desc, w1_desc, w2_desc, n0, n1, n * n_step + n_second, k * DEPTH, ready.index(st),
+                         u_smem.index(st))
             i += 1
 
 
@@ -146,49 +165,148 @@ def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_de
 @gluon.jit
 def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols,
                    m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
-    """One warpgroup's 64 rows of each tile: its 2 x COLUMNS columns of the product plus the residual's, stored by
-    TMA one half after the other."""
+    """One warpgroup's 64 rows of each tile: its 2 x COLUMNS columns of the product plus the residual's (read before
+    the products, so their wait is hidden behind them), stored by TMA one half after the other."""
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
     zero = _zero(x_smem, g_smem)
     i = 0
     for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+        m, n = _tile(t, m_tiles, n_tiles, GROUP)
+        r0 = m * 2 * ROWS + half * ROWS
+        r_g = _block(res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS, zero)
+        r_u = _block(res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS + COLUMNS, zero)
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
-        r0 = m * 2 * ROWS + half * ROWS
-        _add_store(g, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS)
-        _add_store(u, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS + COLUMNS)
+        _store(g.to(r_g.dtype).to(gl.float32) + r_g.to(gl.float32), out_smem, out_desc, r0, n * 2 * COLUMNS)
+        _store(u.to(r_u.dtype).to(gl.float32) + r_u.to(gl.float32), out_smem, out_desc, r0, n * 2 * COLUMNS + COLUMNS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _add_store(acc, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols, r0, c0):
-    """Rows r0.. and columns c0.. of the output: the product rounded to the dtype plus the residual's, rounded (HF's
-    `residual + x`), stored by TMA."""
-    dtype: gl.constexpr = out_desc.dtype
-    layout: gl.constexpr = acc.type.layout
-    rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-    cols = c0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+def _block(ptr, stride, n_rows, n_cols, r0, c0, like):
+    """Rows r0.. and columns c0.. of a [n_rows, n_cols] tensor of row stride `stride`, as stored, in the shape and
+    layout of `like` (zeros past its end)."""
+    layout: gl.constexpr = like.type.layout
+    rows = r0 + gl.arange(0, like.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = c0 + gl.arange(0, like.shape[1], layout=gl.SliceLayout(0, layout))
     inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    r = gl.load(res_ptr + rows.to(gl.int64)[:, None] * stride_r + cols[None, :], mask=inside, other=0.0)
-    y = (acc.to(dtype).to(gl.float32) + r.to(gl.float32)).to(dtype)
+    return gl.load(ptr + rows.to(gl.int64)[:, None] * stride + cols[None, :], mask=inside, other=0.0)
+
+
+@gluon.jit
+def _store(y, out_smem, out_desc, r0, c0):
+    """y (fp32) rounded to the output's dtype at rows r0.. and columns c0.., by TMA."""
     tma.store_wait(0)  # (the last store has left the buffer)
-    out_smem.store(y)
+    out_smem.store(y.to(out_desc.dtype))
     fence_async_shared()
     _tma_store(out_desc, [r0, c0], out_smem)
 
 
 @gluon.jit
-def _body_gemm_kernel(x_desc, g_desc, u_desc, out_desc, res_ptr, stride_r, n_rows, n_cols, m_tiles, n_tiles, k_steps,
-                      STAGES: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr, num_warps: gl.constexpr):
+def _qkv_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr,
+                  bv_ptr, biased, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols, m_tiles, n_tiles, k_steps,
+                  GROUP: gl.constexpr):
+    """One warpgroup's 64 rows of each tile: its two heads of [q; k; v], each stored by TMA (`_head_store`). The
+    heads' biases and the rows' cos and sin are read before the products, so their wait is hidden behind them (a
+    tile of v's heads reads no cos and sin)."""
+    ROWS: gl.constexpr = x_smem.shape[1]
+    COLUMNS: gl.constexpr = g_smem.shape[1]
+    zero = _zero(x_smem, g_smem)
+    i = 0
+    for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
+        m, n = _tile(t, m_tiles, n_tiles, GROUP)
+        r0 = m * 2 * ROWS + half * ROWS
+        c0 = 2 * n * COLUMNS
+        rotated_rows = gl.where(c0 < n_q + n_k, n_rows, 0)
+        cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+        sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+        bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
+        m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
+                                    zero, GROUP)
+        i += k_steps
+        _head_store(g, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c0)
+        bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0 + COLUMNS, zero)
+        _head_store(u, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c0 + COLUMNS)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c, like):
+    """The bias of the head at column c of [q; k; v] (zeros if not `biased`), as stored, [1, D] in like's layout."""
+    cols = gl.arange(0, like.shape[1], layout=gl.SliceLayout(0, like.type.layout))
+    if c < n_q:
+        bias = bq_ptr + c
+    elif c < n_q + n_k:
+        bias = bk_ptr + (c - n_q)
+    else:
+        bias = bv_ptr + (c - n_q - n_k)
+    return gl.load(bias + cols, mask=biased & (c + cols < n_cols), other=0.0)[None, :]
+
+
+@gluon.jit
+def _head_store(acc, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c):
+    """Rows r0.. of the head at column c of [q; k; v]: the product plus its bias, rounded to the dtype (cuBLAS's
+    bias epilogue: one rounding; no bias adds zeros), then a q or k head rotated (`_rotated`); stored by TMA into q,
+    k or v."""
+    dtype: gl.constexpr = q_desc.dtype
+    y = (acc + bias.to(gl.float32)).to(dtype).to(gl.float32)
+    if c < n_q + n_k:
+        y = _rotated(y, cos, sin, dtype)
+    tma.store_wait(0)  # (the last store has left the buffer)
+    out_smem.store(y.to(dtype))
+    fence_async_shared()
+    if c < n_q:
+        _tma_store(q_desc, [r0, c], out_smem)
+    elif c < n_q + n_k:
+        _tma_store(k_desc, [r0, c - n_q], out_smem)
+    else:
+        _tma_store(v_desc, [r0, c - n_q - n_k], out_smem)
+
+
+@gluon.jit
+def _halves(x):
+    """x [R, D] -> its two halves along D, [R, D / 2] each (registers only: in wgmma's layout a thread holds column
+    j and j + D / 2 alike)."""
+    return gl.split(gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)))
+
+
+@gluon.jit
+def _rotated(x, cos, sin, dtype: gl.constexpr):
+    """A head x [R, D] (rows: tokens; values of the dtype, in fp32) and its rows' cos and sin [R, D]: HF's x * cos +
+    rotate_half(x) * sin with each product and the sum rounded to the dtype, as rotary.py computes it (the launch
+    fuses no product into a sum)."""
+    x1, x2 = _halves(x)
+    c1, c2 = _halves(cos.to(gl.float32))
+    s1, s2 = _halves(sin.to(gl.float32))
+    o1 = ((x1 * c1).to(dtype).to(gl.float32) + (-x2 * s1).to(dtype).to(gl.float32)).to(dtype).to(gl.float32)
+    o2 = ((x2 * c2).to(dtype).to(gl.float32) + (x1 * s2).to(dtype).to(gl.float32)).to(dtype).to(gl.float32)
+    y = gl.reshape(gl.permute(gl.join(o1, o2), (0, 2, 1)), [x.shape[0], x.shape[1]])
+    return gl.convert_layout(y, x.type.layout)
+
+
+GATED, PLUS, QKV = 0, 1, 2  # what the kernel's epilogue makes (MODE)
+# Products fused into sums, per mode: Triton 3.6's default as measured, but not where rotary's roundings must stay
+# (LLVM would make x * cos + r one bf16 FMA, skipping the product's rounding)
+_FUSION = {GATED: True, PLUS: True, QKV: False}
+
+
+@gluon.jit
+def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_desc, p0, p1, p2, stride_p, biased,
+                      cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols, m_tiles, n_tiles, k_steps,
+                      STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
+    """GATED: o0 = the middle of x, w0 (gate) and w1 (up). PLUS: o0 = p0 (the residual, row stride stride_p) + x @
+    w0.T. QKV: o0, o1, o2 = q, k, v of x and w0, w1, w2 (plus the biases p0, p1, p2 if biased), q and k rotated by
+    cos and sin (row stride stride_cs). n0, n1: the rows of w0 and w1 (`_load_weight`); n_cols: the output's columns
+    (QKV: all three's)."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     DEPTH: gl.constexpr = x_desc.block_type.shape[1]
-    COLUMNS: gl.constexpr = g_desc.block_type.shape[0]
+    COLUMNS: gl.constexpr = w0_desc.block_type.shape[0]
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, ROWS, DEPTH], x_desc.layout)
-    g_smem = gl.allocate_shared_memory(g_desc.dtype, [STAGES, COLUMNS, DEPTH], g_desc.layout)
-    u_smem = gl.allocate_shared_memory(u_desc.dtype, [STAGES, COLUMNS, DEPTH], u_desc.layout)
-    out_smem = gl.allocate_shared_memory(out_desc.dtype, [2, ROWS, COLUMNS], out_desc.layout)
+    g_smem = gl.allocate_shared_memory(w0_desc.dtype, [STAGES, COLUMNS, DEPTH], w0_desc.layout)
+    u_smem = gl.allocate_shared_memory(w0_desc.dtype, [STAGES, COLUMNS, DEPTH], w0_desc.layout)
+    out_smem = gl.allocate_shared_memory(o0_desc.dtype, [2, ROWS, COLUMNS], o0_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -196,42 +314,54 @@ def _body_gemm_kernel(x_desc, g_desc, u_desc, out_desc, res_ptr, stride_r, n_row
         mbarrier.init(empty.index(s), count=2)
     common = (x_smem, g_smem, u_smem, ready, empty)
     sizes = (m_tiles, n_tiles, k_steps, GROUP)
+    weights = (x_desc, w0_desc, w1_desc, w2_desc, n0, n1) + common
     # (constexprs reach a partition as values: each kind has partitions of its own)
-    if GATED:
+    if MODE == 0:
         gl.warp_specialize([
-            (_gated_products, (0,) + common + (out_smem.index(0), out_desc) + sizes),
-            (_gated_products, (1,) + common + (out_smem.index(1), out_desc) + sizes),
-            (_loads, (x_desc, g_desc, u_desc) + common + (gl.to_tensor(COLUMNS), gl.to_tensor(0)) + sizes),
-        ], [4, 1], [240, 40])
-    else:
-        epilogue = (out_desc, res_ptr, stride_r, n_rows, n_cols)
+            (_gated_products, (0,) + common + (out_smem.index(0), o0_desc) + sizes),
+            (_gated_products, (1,) + common + (out_smem.index(1), o0_desc) + sizes),
+            (_loads, weights + (gl.to_tensor(COLUMNS), n0) + sizes),
+        ], [4, 1], [240, 32])
+    elif MODE == 1:
+        epilogue = (o0_desc, p0, stride_p, n_rows, n_cols)
         gl.warp_specialize([
             (_plus_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
             (_plus_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
-            (_loads, (x_desc, g_desc, u_desc) + common + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
-        ], [4, 1], [240, 40])
+            (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
+        ], [4, 1], [240, 32])
+    else:
+        epilogue = (o0_desc, o1_desc, o2_desc, p0, p1, p2, biased, cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols)
+        gl.warp_specialize([
+            (_qkv_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
+            (_qkv_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
+            (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
+        ], [4, 1], [240, 32])
 
 
 def _descriptor(x: Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, _DTYPES[x.dtype]))
 
 
-def _launch(x: Tensor, first: Tensor, second: Tensor, out: Tensor, residual: Tensor | None, stages: int,
-            group: int) -> Tensor:
-    """One launch over x's rows: gated (residual None; weights `first`, `second`) or the one weight `first` (=
-    `second`) plus the residual, into out."""
+def _launch(x: Tensor, mode: int, weights: tuple[Tensor, ...], outs: tuple[Tensor, ...], n_cols: int,
+            vectors: tuple[Tensor, ...] = (), rope: tuple[Tensor, Tensor] | None = None, stages: int = STAGES,
+            group: int = GROUP) -> None:
+    """One launch over x's rows into `outs` (see _body_gemm_kernel): GATED, weights (gate, up); PLUS, (weight,)
+    with vectors (residual,); QKV, (q, k, v) with vectors () or their biases and rope (cos, sin)."""
     if x.shape[0] == 0:
-        return out
-    gated = residual is None
-    m_tiles, n_tiles = triton.cdiv(x.shape[0], 2 * ROWS), triton.cdiv(out.shape[1], COLUMNS * (1 if gated else 2))
+        return
+    step = COLUMNS if mode == GATED else 2 * COLUMNS
+    m_tiles, n_tiles = triton.cdiv(x.shape[0], 2 * ROWS), triton.cdiv(n_cols, step)
     programs = min(m_tiles * n_tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
-    res = out if gated else residual
-    w0, w1 = _descriptor(first, [COLUMNS, DEPTH]), _descriptor(second, [COLUMNS, DEPTH])
+    n0, n1 = (n_cols, n_cols) if mode == GATED else (2**30, 0) if mode == PLUS else (len(weights[0]), len(weights[1]))
+    w = [_descriptor(t, [COLUMNS, DEPTH]) for t in weights]
+    o = [_descriptor(t, [ROWS, COLUMNS]) for t in outs]
+    p = vectors or (outs[0],)
+    cos, sin = rope or (outs[0], outs[0])  # (unread where not QKV)
     _body_gemm_kernel[(programs,)](
-        _descriptor(x, [ROWS, DEPTH]), w0, w1 if gated else w0, _descriptor(out, [ROWS, COLUMNS]), res, res.stride(0),
-        *out.shape, m_tiles, n_tiles, triton.cdiv(x.shape[1], DEPTH), STAGES=stages, GROUP=group, GATED=gated,
-        num_warps=4, enable_fp_fusion=True)  # (Triton 3.6's default, as measured)
-    return out
+        _descriptor(x, [ROWS, DEPTH]), *(w + w[-1:] * 2)[:3], *(o + o[-1:] * 2)[:3], *(p + p[-1:] * 2)[:3],
+        p[0].stride(0), len(vectors) > 0, cos, sin, cos.stride(0), x.shape[0], n0, n1, n_cols, m_tiles, n_tiles,
+        triton.cdiv(x.shape[1], DEPTH), STAGES=stages, GROUP=group, MODE=mode, num_warps=4,
+        enable_fp_fusion=_FUSION[mode])
 
 
 def middle(x: Tensor, gate: Tensor, up: Tensor, stages: int = STAGES, group: int = GROUP) -> Tensor:
@@ -239,7 +369,8 @@ def middle(x: Tensor, gate: Tensor, up: Tensor, stages: int = STAGES, group: int
     (`stages`, `group`: the ring's buffers and the row blocks that walk the columns together; benchmarks sweep them.)"""
     x = x.contiguous()
     out = torch.empty(x.shape[0], gate.shape[0], dtype=x.dtype, device=x.device)
-    return _launch(x, gate.contiguous(), up.contiguous(), out, None, stages, group)
+    _launch(x, GATED, (gate.contiguous(), up.contiguous()), (out,), gate.shape[0], stages=stages, group=group)
+    return out
 
 
 def plus(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
@@ -248,7 +379,31 @@ def plus(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     autograd."""
     x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
     out = torch.empty_like(residual)
-    return _launch(x, weight, weight, out, residual, STAGES, GROUP)
+    _launch(x, PLUS, (weight,), (out,), weight.shape[0], (residual,))
+    return out
+
+
+def qkv_usable(x: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, cos: Tensor,
+               sin: Tensor) -> bool:
+    """`qkv` runs these here: as `usable`, for weights of whole heads of COLUMNS elements, biases of their rows or
+    none, cos and sin [M, COLUMNS] of x's dtype."""
+    return (len(weights) == 3 and all(w.dim() == 2 and w.shape[0] % COLUMNS == 0 for w in weights)
+            and _copyable(x, *weights) and cos.shape == sin.shape == (x.shape[0], COLUMNS)
+            and cos.dtype == sin.dtype == x.dtype and cos.stride() == sin.stride() and cos.stride(1) == 1
+            and (biases is None or all(b is not None and b.shape == w.shape[:1] and b.dtype == x.dtype
+                                       for b, w in zip(biases, weights, strict=True))))
+
+
+def qkv(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], biases: tuple[Tensor, Tensor, Tensor] | None, cos: Tensor,
+        sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """An attention block's inputs for x [M, K] in one launch, no autograd: q, k, v = x @ w.T (+ b), rounded to the
+    dtype as F.linear rounds, each head of q and k rotated by cos and sin [M, COLUMNS] as rotary.py rotates it;
+    [M, N] each, as `qkv_usable` says."""
+    x, weights = x.contiguous(), tuple(w.contiguous() for w in weights)
+    outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in weights)
+    vectors = () if biases is None else tuple(b.contiguous() for b in biases)
+    _launch(x, QKV, weights, outs, sum(w.shape[0] for w in weights), vectors, (cos, sin))
+    return outs
 
 
 class _Gated(torch.autograd.Function):
@@ -298,20 +453,51 @@ def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
     return middle(rows, gate, up).view(*x.shape[:-1], gate.shape[0])
 
 
-def compile_sm90(gated: bool = True):
-    """The kernel for bf16 built for sm_90a, here, with no GPU, gated or with the residual (benchmarks/compile_sm90.py
-    reports it)."""
+class _QKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, *weights_and_biases: Tensor | None):
+        weights, biases = weights_and_biases[:3], weights_and_biases[3:]
+        ctx.save_for_backward(x, cos, sin, *weights)
+        return qkv(x, weights, None if biases[0] is None else biases, cos, sin)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        x, cos, sin, *weights = ctx.saved_tensors
+        grads = [unrotate(g.reshape(len(g), -1, COLUMNS), cos, sin).view_as(g) if i < 2 else g
+                 for i, g in enumerate(grads)]  # (q's and k's gradients before their rotation)
+        need = ctx.needs_input_grad
+        dx = sum(g @ w for g, w in zip(grads, weights, strict=True)) if need[0] else None
+        dw = [g.T @ x if need[3 + i] else None for i, g in enumerate(grads)]
+        db = [g.sum(0) if need[6 + i] else None for i, g in enumerate(grads)]
+        return dx, None, None, *dw, *db
+
+
+def rotated_qkv(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], biases: tuple[Tensor, Tensor, Tensor] | None,
+                cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`qkv` for x [M, K] (one row of tokens to each of cos and sin's rows). Differentiable in x, the weights and
+    the biases."""
+    tensors = (*weights, *(biases or (None,) * 3))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
+        return _QKV.apply(x, cos, sin, *tensors)
+    return qkv(x, weights, biases, cos, sin)
+
+
+def compile_sm90(mode: int = GATED):
+    """The kernel for bf16 built for sm_90a, here, with no GPU, in one of its modes (GATED, PLUS, QKV;
+    benchmarks/compile_sm90.py reports it)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(block):
         return f"tensordesc<bf16{block},{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)}>"
 
-    const = dict(STAGES=STAGES, GROUP=GROUP, GATED=gated, num_warps=4)
-    blocks = dict(x_desc=[ROWS, DEPTH], g_desc=[COLUMNS, DEPTH], u_desc=[COLUMNS, DEPTH], out_desc=[ROWS, COLUMNS])
-    sig = {n: "constexpr" if n in const else desc(blocks[n]) if n in blocks else "*bf16" if n == "res_ptr" else "i32"
+    const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, num_warps=4)
+    sig = {n: "constexpr" if n in const else desc([ROWS, DEPTH]) if n == "x_desc"
+           else desc([COLUMNS, DEPTH]) if n[0] == "w" else desc([ROWS, COLUMNS]) if n[0] == "o"
+           else "*bf16" if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr") else "i1" if n == "biased" else "i32"
            for n in _body_gemm_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)
-               if n in ("res_ptr", "stride_r")}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)  # (as launched
+               if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")  # for a 7B's
+               or n == "stride_p" and mode == PLUS}  # shapes, whose sizes Triton finds multiples of 16)
     return triton.compile(GluonASTSource(_body_gemm_kernel, sig, constexprs=const, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=_FUSION[mode]))

@@ -67,6 +67,14 @@ def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+def unrotate(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The gradient of x from the gradient of rotary_reference(x, cos, sin) (the formula is linear in x: no x
+    needed)."""
+    with torch.enable_grad():
+        x = torch.zeros_like(grad).requires_grad_()
+        return torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)[0]
+
+
 Norm = tuple[Tensor, float, str]  # a head RMSNorm to apply first: (weight [D], eps, style: "llama" or "gemma")
 
 
@@ -96,10 +104,8 @@ class _Rotary(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, cos, sin, weight = ctx.saved_tensors
         with torch.enable_grad():
-            if weight is None:  # the formula is linear in x: its gradient needs no x
-                x = torch.zeros_like(grad).requires_grad_()
-                (dx,) = torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)
-                return dx, None, None, None, None, None
+            if weight is None:
+                return unrotate(grad, cos, sin), None, None, None, None, None
             x, w = x.detach().requires_grad_(), weight.detach().requires_grad_()
             dx, dw = torch.autograd.grad(_reference(x, cos, sin, (w, ctx.eps, ctx.style)), (x, w), grad)
         return dx, None, None, dw, None, None

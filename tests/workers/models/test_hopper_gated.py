@@ -1,6 +1,7 @@
-"""hopper_gated.py: the gated MLP's two products with silu(gate) * up in the GEMM's epilogue (Gluon, Hopper). Built for
-sm_90a here; on a Hopper GPU against float64 on odd shapes, a row's bits alone and in a batch, its gradients, and the
-patched MLP taking it."""
+"""hopper_gated.py: the gated MLP's two products with silu(gate) * up in the GEMM's epilogue (Gluon, Hopper), the
+projections with the residual in theirs, and q/k/v with biases and rotary in theirs. Built for sm_90a here; on a
+Hopper GPU against float64 on odd shapes, a row's bits alone and in a batch, gradients, and patched models taking
+them."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 @pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
 def test_the_kernel_builds_for_sm90a_and_keeps_a_step_of_products_in_flight():
-    """Compiled here for sm_90a, gated and with the residual (no GPU; a process without the interpreter): each fits
-    a Hopper program's shared memory, spills nothing, and waits for the step before while this step's products run
+    """Compiled here for sm_90a in its three modes (no GPU; a process without the interpreter): each fits a Hopper
+    program's shared memory, spills nothing, and waits for the step before while this step's products run
     (wait_group 2)."""
     script = ("import sys; sys.path.insert(0, 'benchmarks')\n"
               "from compile_sm90 import _report\n"
               "from ppo_logprobs.workers.models import hopper_gated as h\n"
-              "for gated in (True, False):\n"
-              "    c = h.compile_sm90(gated); said, _ = _report(c)\n"
+              "for mode in (h.GATED, h.PLUS, h.QKV):\n"
+              "    c = h.compile_sm90(mode); said, _ = _report(c)\n"
               "    print('shared', c.metadata.shared, 'waits2', 'wgmma.wait_group.sync.aligned 2;' in c.asm['ptx'])\n"
               "    print(*said, sep='\\n')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -34,10 +35,10 @@ def test_the_kernel_builds_for_sm90a_and_keeps_a_step_of_products_in_flight():
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
     builds = [line.split() for line in done.stdout.splitlines() if line.startswith("shared")]
-    assert len(builds) == 2, done.stderr[-2000:]
+    assert len(builds) == 3, done.stderr[-2000:]
     for _, shared, _, waits in builds:
         assert int(shared) <= 232448 and waits == "True", builds
-    assert done.stdout.count("0 bytes spill stores") == 2, done.stdout
+    assert done.stdout.count("0 bytes spill stores") == 3, done.stdout
 
 
 def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
@@ -179,3 +180,145 @@ def test_a_patched_model_runs_its_layers_through_the_kernels(monkeypatch):
         model(input_ids=torch.randint(0, model.config.vocab_size, (2, 300), device="cuda"))
     layers = model.config.num_hidden_layers
     assert sorted(calls) == ["gated"] * layers + ["projected"] * (2 * layers), calls
+
+
+def _qkv_inputs(rows: int, k: int, heads: int, kv_heads: int, biased: bool, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
+    weights = tuple(torch.randn(h * 128, k, device="cuda", dtype=dtype, generator=g) * k**-0.5
+                    for h in (heads, kv_heads, kv_heads))
+    biases = tuple(torch.randn(len(w), device="cuda", dtype=dtype, generator=g) for w in weights) if biased else None
+    angles = torch.rand(rows, 64, device="cuda", dtype=torch.float64, generator=g) * 100
+    angles = torch.cat([angles, angles], -1)  # (HF's layout: the frequencies twice)
+    return x, weights, biases, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _qkv_exact(x, weights, biases, cos, sin):
+    from ppo_logprobs.workers.models.rotary import rotary_reference
+
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    q, k, v = (F.linear(x, w.double(), None if b is None else b.double()).view(len(x), -1, 128)
+               for w, b in zip(weights, biases or (None,) * 3, strict=True))
+    return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin), v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k,heads,kv_heads,biased", [(1, 64, 2, 1, True), (129, 200, 3, 1, False),
+                                                          (300, 520, 4, 2, True), (70, 3584, 7, 1, True)])
+def test_qkv_is_within_rounding_of_float64_and_rotates_as_rotary_does(dtype, rows, k, heads, kv_heads, biased):
+    """q, k, v of odd shapes (rows ending inside a tile, K not a multiple of a step, an odd count of heads: the
+    last tile's second half past v) within the dtype's rounding of float64, as close as cuBLAS's projections and
+    rotary's pass; the rotation is rotary.py's to the bit (the kernel's unrotated q and k, at cos 1 and sin 0, then
+    rotary), v the kernel's unrotated v; rows alone and in the batch: the same bits."""
+    from ppo_logprobs.workers.models import hopper_gated
+    from ppo_logprobs.workers.models.rotary import rotary
+
+    x, weights, biases, cos, sin = _qkv_inputs(rows, k, heads, kv_heads, biased, dtype)
+    assert hopper_gated.qkv_usable(x, weights, biases, cos, sin)
+    got = [t.view(rows, -1, 128) for t in hopper_gated.qkv(x, weights, biases, cos, sin)]
+    assert [tuple(t.shape) for t in got] == [(rows, heads, 128), (rows, kv_heads, 128), (rows, kv_heads, 128)]
+    before = [F.linear(x, w, b).view(rows, -1, 128) for w, b in zip(weights, biases or (None,) * 3, strict=True)]
+    before[:2] = [rotary(t, cos, sin) for t in before[:2]]
+    for y, b, e in zip(got, before, _qkv_exact(x, weights, biases, cos, sin), strict=True):
+        err, err_before = ((t.double() - e).abs().max() / e.abs().max() for t in (y, b))
+        assert err <= 2 * max(err_before, torch.finfo(dtype).eps), (err, err_before)
+    plain = [t.view(rows, -1, 128) for t in hopper_gated.qkv(x, weights, biases, torch.ones_like(cos),
+                                                             torch.zeros_like(sin))]
+    assert torch.equal(got[0], rotary(plain[0], cos, sin)) and torch.equal(got[1], rotary(plain[1], cos, sin))
+    assert torch.equal(got[2], plain[2])
+    for start, stop in ((0, 1), (rows // 2, rows)):
+        alone = hopper_gated.qkv(x[start:stop].clone(), weights, biases, cos[start:stop].clone(),
+                                 sin[start:stop].clone())
+        for a, w in zip(alone, got, strict=True):
+            assert torch.equal(a.view(stop - start, -1, 128), w[start:stop]), (start, stop)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("biased", [True, False])
+def test_qkv_gradients_are_the_formulas(biased):
+    """`rotated_qkv` with gradients: the forward's bits are qkv's, and the gradients of x, the weights and the
+    biases are the torch formula's (fp32 inputs to the reference: within bf16 rounding)."""
+    from ppo_logprobs.workers.models import hopper_gated
+    from ppo_logprobs.workers.models.rotary import rotary_reference
+
+    x, weights, biases, cos, sin = _qkv_inputs(130, 192, 3, 1, biased, torch.bfloat16, seed=5)
+    leaves = [x, *weights, *(biases or ())]
+    for t in leaves:
+        t.requires_grad_()
+    out = hopper_gated.rotated_qkv(x, weights, biases, cos, sin)
+    plain = hopper_gated.qkv(x.detach(), [w.detach() for w in weights],
+                             None if biases is None else [b.detach() for b in biases], cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(out, plain, strict=True))
+    grads = [torch.randn_like(t) for t in out]
+    got = torch.autograd.grad(out, leaves, grads)
+    ref = [t.detach().float().requires_grad_() for t in leaves]
+    bs = ref[4:] or [None] * 3
+    q, k, v = (F.linear(ref[0], w, b).view(130, -1, 128) for w, b in zip(ref[1:4], bs, strict=True))
+    want = torch.autograd.grad(
+        [rotary_reference(q, cos.float(), sin.float()), rotary_reference(k, cos.float(), sin.float()), v], ref,
+        [g.float().view(130, -1, 128) for g in grads])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+def test_what_qkv_refuses():
+    """Heads other than 128 wide, cos and sin of another shape, dtype or layout, biases of another dtype or only
+    some."""
+    from ppo_logprobs.workers.models import hopper_gated
+
+    x, weights, biases, cos, sin = _qkv_inputs(16, 64, 2, 1, True, torch.bfloat16)
+    assert hopper_gated.qkv_usable(x, weights, biases, cos, sin)
+    assert hopper_gated.qkv_usable(x, weights, None, cos, sin)
+    assert not hopper_gated.qkv_usable(x, (weights[0][:192], *weights[1:]), None, cos, sin)
+    assert not hopper_gated.qkv_usable(x, weights, biases, cos[:, :64], sin[:, :64])
+    assert not hopper_gated.qkv_usable(x, weights, biases, cos[:8], sin[:8])
+    assert not hopper_gated.qkv_usable(x, weights, biases, cos.float(), sin.float())
+    assert not hopper_gated.qkv_usable(x, weights, biases, cos.T.contiguous().T, sin.T.contiguous().T)
+    assert not hopper_gated.qkv_usable(x, weights, (biases[0].float(), *biases[1:]), cos, sin)
+    assert not hopper_gated.qkv_usable(x, weights, (None, *biases[1:]), cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_a_model_with_heads_of_128_takes_qkv_and_keeps_a_sequences_bits(family, monkeypatch):
+    """A small Qwen2 (q/k/v biases) and Llama (none) with heads of 128 in bf16, patched: a packed forward runs each
+    layer's q, k and v as one `rotated_qkv` call; a sequence's log-probs have the same bits packed at any offset
+    and alone, and are within bf16's reach of the unpatched model's (HF's sdpa)."""
+    import transformers
+
+    from ppo_logprobs.workers.models import hopper_gated
+    from ppo_logprobs.workers.models.patch_model import patch_model
+
+    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+    config = config_cls(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = model_cls(config).to("cuda", torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(3, 500, (n,), generator=g) for n in (300, 7, 130)]
+    with torch.no_grad():
+        hf = [type(model).forward(model, input_ids=s[None].cuda()).logits.float().log_softmax(-1)[0, :-1]
+              .gather(-1, s[1:, None].cuda())[:, 0] for s in sequences]
+    patch_model(model, packed_attention="varlen")
+    calls = []
+    real = hopper_gated.rotated_qkv
+    monkeypatch.setattr(hopper_gated, "rotated_qkv", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        for order in ([0, 1, 2], [2, 1, 0]):
+            ids = torch.cat([sequences[i] for i in order])[None].cuda()
+            positions = torch.cat([torch.arange(len(sequences[i])) for i in order])[None].cuda()
+            out, at = model(input_ids=ids, position_ids=positions).log_probs[0], 0
+            for i in order:
+                n = len(sequences[i])
+                alone = model(input_ids=sequences[i][None].cuda()).log_probs[0]
+                assert torch.equal(out[at : at + n], alone), (order, i)
+                torch.testing.assert_close(alone[:-1].float(), hf[i], rtol=0, atol=5e-2)
+                at += n
+    assert len(calls) == 2 * (1 + 3) * config.num_hidden_layers, len(calls)
