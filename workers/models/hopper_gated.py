@@ -2,21 +2,25 @@
 the middle in its epilogue: the two products are never written out and read back, which silu_mul.py's pass after
 cuBLAS's two GEMMs does (3 bytes a middle element each way; ~30 ms of a 7B forward of 8 x 4096 tokens on an H100).
 The same kernel runs a decoder layer's o and down projections with the residual added in the epilogue (`plus`), so
-the layer's two adds are no passes of their own: its tile is then 128 rows x 256 columns of the one weight.
+the layer's two adds are no passes of their own: its tile is then 128 rows x 256 columns of the one weight. And it
+runs an attention block's q, k and v as one GEMM (`qkv`): tiles of two heads of [q; k; v] (each half read from the
+weight it falls in), the biases added and q's and k's heads rotated in the epilogue, so neither the three GEMMs nor
+rotary.py's pass run.
 
 A tile is 128 rows of x by 128 columns of the middle: both products of those columns, so 128 x 256 of GEMM. The
 program is persistent (one per SM, tiles in grouped order, each program every grid-th tile). One warp loads x's rows
 (two boxes of 64) and the two weights' rows by TMA into a ring of STAGES buffers; two warpgroups take 64 rows each
-(warp_specialize; 240 and 40 registers asked for), keep one step's products in flight, release a buffer once its
+(warp_specialize; 240 and 32 registers asked for), keep one step's products in flight, release a buffer once its
 products are done, and store their 64 x 128 of the middle through shared memory by TMA while the next tile's first
 blocks load.
 
 Rounded as silu_mul.py and HF round: each product to the dtype, silu in fp32 rounded to the dtype, times up in fp32,
-rounded; a projection rounded to the dtype, then added to the residual in fp32 and rounded. The sum over K runs in
+rounded; a projection rounded to the dtype, then added to the residual in fp32 and rounded; q, k, v as cuBLAS's bias
+epilogue (product plus bias in fp32, one rounding), then rotated as rotary.py rotates. The sum over K runs in
 one order for every row, with no split: a row's bits do not depend on the rows around it or how many there are (no
-MIN_TOKENS filler needed). The bits differ from cuBLAS's products (another order
-of the sum), so the trainer's forward with gradients runs this kernel too (`gated` and `projected`; their backward
-recomputes the two products, or multiplies the gradient, with torch).
+MIN_TOKENS filler needed). The bits differ from cuBLAS's products (another order of the sum), so the trainer's forward
+with gradients runs this kernel too (`gated`, `projected`, `rotated_qkv`; their backward recomputes the two products,
+or multiplies the gradient, with torch).
 """
 
 from __future__ import annotations
