@@ -500,8 +500,9 @@ def compile_sm90(mode: int = GATED):
            else desc([COLUMNS, DEPTH]) if n[0] == "w" else desc([ROWS, COLUMNS]) if n[0] == "o"
            else "*bf16" if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr") else "i1" if n == "biased" else "i32"
            for n in _body_gemm_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)  # (as launched
-               if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")  # for a 7B's
-               or n == "stride_p" and mode == PLUS}  # shapes, whose sizes Triton finds multiples of 16)
+    # (as launched for a 7B's shapes, whose sizes and pointers Triton finds multiples of 16)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)
+               if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")
+               or n == "stride_p" and mode == PLUS}
     return triton.compile(GluonASTSource(_body_gemm_kernel, sig, constexprs=const, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=_FUSION[mode]))
