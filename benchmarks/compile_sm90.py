@@ -128,7 +128,9 @@ if __name__ == "__main__":
     for form in ha.FORMS:
         for window in (False, True):
             print(hopper(form, window), flush=True)
-    for mode, what in ((hopper_gated.GATED, "the MLP's gate and up"), (hopper_gated.PLUS, "a projection plus the "
-                       "residual"), (hopper_gated.QKV, "q, k, v with biases and rotary")):
-        said, instructions = _report(hopper_gated.compile_sm90(mode))
+    for mode, normed, what in ((hopper_gated.GATED, False, "the MLP's gate and up"),
+                               (hopper_gated.PLUS, False, "a projection plus the residual"),
+                               (hopper_gated.QKV, False, "q, k, v with biases and rotary"),
+                               (hopper_gated.QKV, True, "q, k, v with q/k norms and rotary")):
+        said, instructions = _report(hopper_gated.compile_sm90(mode, normed))
         print(f"hopper_gated ({what}): {instructions} instructions; " + "; ".join(said), flush=True)

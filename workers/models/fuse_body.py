@@ -122,17 +122,29 @@ def _head_norm(module: nn.Module | None) -> Norm | None:
     return module.weight, getattr(module, eps), style
 
 
-def _rotated_qkv(self: nn.Module, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-    """An attention block's q, k (rotated) and v [T, heads, D] for rows x [T, E] as one GEMM with the biases and the
-    rotation in its epilogue, where hopper_gated runs it (heads of its COLUMNS elements); else None."""
+def _rotated_qkv(self: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, norms: list[nn.Module | None]
+                 ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """An attention block's q, k (normalised by its q/k norms, if any, and rotated) and v [T, heads, D] for rows x
+    [T, E] as one GEMM with the biases, norms and rotation in its epilogue, where hopper_gated runs it (heads of its
+    COLUMNS elements, HF's RMSNorm formula); else None."""
     hopper, projections = _hopper_gated(), (self.q_proj, self.k_proj, self.v_proj)
     if hopper is None or self.head_dim != hopper.COLUMNS or not all(_linear(p) for p in projections):
         return None
     weights, biases = tuple(p.weight for p in projections), tuple(p.bias for p in projections)
     biases = None if biases == (None,) * 3 else biases
-    if not hopper.qkv_usable(x, weights, biases, cos, sin):
+    head_norms = None
+    if norms != [None, None]:
+        styles = [_NORMS.get(type(n).__name__) for n in norms]
+        if None in styles or any(style[0] != "llama" for style in styles):
+            return None
+        eps = [getattr(n, style[1]) for n, style in zip(norms, styles, strict=True)]
+        if eps[0] != eps[1]:
+            return None
+        head_norms = (norms[0].weight, norms[1].weight, eps[0])
+    if not hopper.qkv_usable(x, weights, biases, cos, sin, head_norms):
         return None
-    return tuple(y.view(len(x), -1, self.head_dim) for y in hopper.rotated_qkv(x, weights, biases, cos, sin))
+    return tuple(y.view(len(x), -1, self.head_dim)
+                 for y in hopper.rotated_qkv(x, weights, biases, cos, sin, head_norms))
 
 
 def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, backend: Backend,
@@ -147,7 +159,7 @@ def _attention_forward(self: nn.Module, hidden_states: Tensor, *, window: str, b
     cos, sin = (x.reshape(t, -1) for x in kwargs["position_embeddings"])  # [T, D]
     norms = [getattr(self, name, None) for name in ("q_norm", "k_norm")]
     triton = resolve_backend(backend, hidden_states.device) == "triton"
-    fused = _rotated_qkv(self, hidden_states.reshape(t, -1), cos, sin) if triton and norms == [None, None] else None
+    fused = _rotated_qkv(self, hidden_states.reshape(t, -1), cos, sin, norms) if triton else None
     if fused is not None:
         q, k, v = fused
     else:

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .hopper_attention import _DTYPES, _tma_load
-from .rotary import unrotate
+from .rotary import rotary_gradients
 
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
@@ -210,8 +210,26 @@ def _store(y, out_smem, out_desc, r0, c0):
 
 @gluon.jit
 def _qkv_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr,
-                  bv_ptr, biased, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols, m_tiles, n_tiles, k_steps,
-                  GROUP: gl.constexpr):
+                  bv_ptr, biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols,
+                  m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
+    _qkv_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr, bv_ptr,
+               biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols, m_tiles, n_tiles,
+               k_steps, GROUP, False)
+
+
+@gluon.jit
+def _qkv_normed_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr,
+                         bv_ptr, biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols,
+                         m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
+    _qkv_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr, bv_ptr,
+               biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols, m_tiles, n_tiles,
+               k_steps, GROUP, True)
+
+
+@gluon.jit
+def _qkv_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_desc, v_desc, bq_ptr, bk_ptr, bv_ptr,
+               biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n_q, n_k, n_cols, m_tiles, n_tiles,
+               k_steps, GROUP: gl.constexpr, NORMED: gl.constexpr):
     """One warpgroup's 64 rows of each tile: its two heads of [q; k; v], each stored by TMA (`_head_store`). The
     rows' cos and sin and the first head's bias are read before the products, so their wait is hidden behind them (a
     tile of v's heads reads no cos and sin; the second bias read ahead too spills)."""
@@ -224,15 +242,22 @@ def _qkv_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, 
         r0 = m * 2 * ROWS + half * ROWS
         c0 = 2 * n * COLUMNS
         rotated_rows = gl.where(c0 < n_q + n_k, n_rows, 0)
-        cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-        sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-        bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
+        if not NORMED:  # (cos, sin and the bias read ahead; beside the norm's registers they would spill)
+            cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+            sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+            bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
-        _head_store(g, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c0)
+        if NORMED:
+            cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+            sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
+            bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
+        _head_store(g, bias, qn_ptr, kn_ptr, eps, NORMED, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0,
+                    c0)
         bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0 + COLUMNS, zero)
-        _head_store(u, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c0 + COLUMNS)
+        _head_store(u, bias, qn_ptr, kn_ptr, eps, NORMED, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0,
+                    c0 + COLUMNS)
     tma.store_wait(0)
 
 
@@ -250,13 +275,19 @@ def _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c, like):
 
 
 @gluon.jit
-def _head_store(acc, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0, c):
+def _head_store(acc, bias, qn_ptr, kn_ptr, eps, NORMED: gl.constexpr, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q,
+                n_k, r0, c):
     """Rows r0.. of the head at column c of [q; k; v]: the product plus its bias, rounded to the dtype (cuBLAS's
-    bias epilogue: one rounding; no bias adds zeros), then a q or k head rotated (`_rotated`); stored by TMA into q,
-    k or v."""
+    bias epilogue: one rounding; no bias adds zeros), then a q or k head RMS-normalised if `norm` says so
+    (`_normed`) and rotated (`_rotated`); stored by TMA into q, k or v."""
     dtype: gl.constexpr = q_desc.dtype
     y = (acc + bias.to(gl.float32)).to(dtype).to(gl.float32)
     if c < n_q + n_k:
+        if NORMED:
+            if c < n_q:
+                y = _normed(y, qn_ptr, eps, dtype)
+            else:
+                y = _normed(y, kn_ptr, eps, dtype)
         y = _rotated(y, cos, sin, dtype)
     tma.store_wait(0)  # (the last store has left the buffer)
     out_smem.store(y.to(dtype))
@@ -267,6 +298,16 @@ def _head_store(acc, bias, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k,
         _tma_store(k_desc, [r0, c - n_q], out_smem)
     else:
         _tma_store(v_desc, [r0, c - n_q - n_k], out_smem)
+
+
+@gluon.jit
+def _normed(x, w_ptr, eps, dtype: gl.constexpr):
+    """A head x [R, D] (values of the dtype, in fp32) through HF's RMSNorm with weight [D] at w_ptr (Qwen3's q_norm
+    and k_norm): x * rsqrt(mean(x^2) + eps) rounded to the dtype, times the weight, rounded."""
+    cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, x.type.layout))
+    r = gl.rsqrt(gl.sum(x * x, axis=1) / x.shape[1] + eps)
+    w = gl.load(w_ptr + cols).to(gl.float32)[None, :]
+    return ((x * r[:, None]).to(dtype).to(gl.float32) * w).to(dtype).to(gl.float32)
 
 
 @gluon.jit
@@ -298,12 +339,13 @@ _FUSION = {GATED: True, PLUS: True, QKV: False}
 
 @gluon.jit
 def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_desc, p0, p1, p2, stride_p, biased,
-                      cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols, m_tiles, n_tiles, k_steps,
-                      STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
+                      qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols, m_tiles,
+                      n_tiles, k_steps, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr,
+                      NORMED: gl.constexpr, num_warps: gl.constexpr):
     """GATED: o0 = the middle of x, w0 (gate) and w1 (up). PLUS: o0 = p0 (the residual, row stride stride_p) + x @
-    w0.T. QKV: o0, o1, o2 = q, k, v of x and w0, w1, w2 (plus the biases p0, p1, p2 if biased), q and k rotated by
-    cos and sin (row stride stride_cs). n0, n1: the rows of w0 and w1 (`_load_weight`); n_cols: the output's columns
-    (QKV: all three's)."""
+    w0.T. QKV: o0, o1, o2 = q, k, v of x and w0, w1, w2 (plus the biases p0, p1, p2 if biased), q's and k's heads
+    RMS-normalised by the weights at qn_ptr and kn_ptr if normed, then rotated by cos and sin (row stride
+    stride_cs). n0, n1: the rows of w0 and w1 (`_load_weight`); n_cols: the output's columns (QKV: all three's)."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     DEPTH: gl.constexpr = x_desc.block_type.shape[1]
     COLUMNS: gl.constexpr = w0_desc.block_type.shape[0]
@@ -334,12 +376,20 @@ def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_de
             (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
         ], [4, 1], [240, 32])
     else:
-        epilogue = (o0_desc, o1_desc, o2_desc, p0, p1, p2, biased, cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols)
-        gl.warp_specialize([
-            (_qkv_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
-            (_qkv_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
-            (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
-        ], [4, 1], [240, 32])
+        epilogue = (o0_desc, o1_desc, o2_desc, p0, p1, p2, biased, qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr,
+                    stride_cs, n_rows, n0, n1, n_cols)
+        if NORMED:
+            gl.warp_specialize([
+                (_qkv_normed_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
+                (_qkv_normed_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
+                (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
+            ], [4, 1], [240, 32])
+        else:
+            gl.warp_specialize([
+                (_qkv_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
+                (_qkv_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
+                (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
+            ], [4, 1], [240, 32])
 
 
 def _descriptor(x: Tensor, block: list[int]) -> TensorDescriptor:
@@ -347,10 +397,11 @@ def _descriptor(x: Tensor, block: list[int]) -> TensorDescriptor:
 
 
 def _launch(x: Tensor, mode: int, weights: tuple[Tensor, ...], outs: tuple[Tensor, ...], n_cols: int,
-            vectors: tuple[Tensor, ...] = (), rope: tuple[Tensor, Tensor] | None = None, stages: int = STAGES,
-            group: int = GROUP) -> None:
+            vectors: tuple[Tensor, ...] = (), rope: tuple[Tensor, Tensor] | None = None,
+            norms: QKNorm | None = None, stages: int = STAGES, group: int = GROUP) -> None:
     """One launch over x's rows into `outs` (see _body_gemm_kernel): GATED, weights (gate, up); PLUS, (weight,)
-    with vectors (residual,); QKV, (q, k, v) with vectors () or their biases and rope (cos, sin)."""
+    with vectors (residual,); QKV, (q, k, v) with vectors () or their biases, rope (cos, sin) and the heads' norms
+    or None."""
     if x.shape[0] == 0:
         return
     step = COLUMNS if mode == GATED else 2 * COLUMNS
@@ -361,11 +412,12 @@ def _launch(x: Tensor, mode: int, weights: tuple[Tensor, ...], outs: tuple[Tenso
     o = [_descriptor(t, [ROWS, COLUMNS]) for t in outs]
     p = vectors or (outs[0],)
     cos, sin = rope or (outs[0], outs[0])  # (unread where not QKV)
+    q_norm, k_norm, eps = norms or (outs[0], outs[0], 0.0)
     _body_gemm_kernel[(programs,)](
         _descriptor(x, [ROWS, DEPTH]), *(w + w[-1:] * 2)[:3], *(o + o[-1:] * 2)[:3], *(p + p[-1:] * 2)[:3],
-        p[0].stride(0), len(vectors) > 0, cos, sin, cos.stride(0), x.shape[0], n0, n1, n_cols, m_tiles, n_tiles,
-        triton.cdiv(x.shape[1], DEPTH), STAGES=stages, GROUP=group, MODE=mode, num_warps=4,
-        enable_fp_fusion=_FUSION[mode])
+        p[0].stride(0), len(vectors) > 0, q_norm, k_norm, eps, cos, sin, cos.stride(0), x.shape[0],
+        n0, n1, n_cols, m_tiles, n_tiles, triton.cdiv(x.shape[1], DEPTH), STAGES=stages, GROUP=group, MODE=mode,
+        NORMED=norms is not None, num_warps=4, enable_fp_fusion=_FUSION[mode])
 
 
 def middle(x: Tensor, gate: Tensor, up: Tensor, stages: int = STAGES, group: int = GROUP) -> Tensor:
@@ -387,26 +439,32 @@ def plus(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     return out
 
 
+QKNorm = tuple[Tensor, Tensor, float]  # q's and k's heads' RMSNorm (HF's formula): q_norm's and k_norm's weights, eps
+
+
 def qkv_usable(x: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor, ...] | None, cos: Tensor,
-               sin: Tensor) -> bool:
+               sin: Tensor, norms: QKNorm | None = None) -> bool:
     """`qkv` runs these here: as `usable`, for weights of whole heads of COLUMNS elements, biases of their rows or
-    none, cos and sin [M, COLUMNS] of x's dtype."""
+    none, cos and sin [M, COLUMNS] of x's dtype, head norms' weights [COLUMNS] of x's dtype or none."""
     return (len(weights) == 3 and all(w.dim() == 2 and w.shape[0] % COLUMNS == 0 for w in weights)
             and _copyable(x, *weights) and cos.shape == sin.shape == (x.shape[0], COLUMNS)
             and cos.dtype == sin.dtype == x.dtype and cos.stride() == sin.stride() and cos.stride(1) == 1
             and (biases is None or all(b is not None and b.shape == w.shape[:1] and b.dtype == x.dtype
-                                       for b, w in zip(biases, weights, strict=True))))
+                                       for b, w in zip(biases, weights, strict=True)))
+            and (norms is None or all(w.shape == (COLUMNS,) and w.dtype == x.dtype for w in norms[:2])))
 
 
 def qkv(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], biases: tuple[Tensor, Tensor, Tensor] | None, cos: Tensor,
-        sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        sin: Tensor, norms: QKNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """An attention block's inputs for x [M, K] in one launch, no autograd: q, k, v = x @ w.T (+ b), rounded to the
-    dtype as F.linear rounds, each head of q and k rotated by cos and sin [M, COLUMNS] as rotary.py rotates it;
-    [M, N] each, as `qkv_usable` says."""
+    dtype as F.linear rounds, each head of q and k RMS-normalised (with `norms`) and rotated by cos and sin
+    [M, COLUMNS] as rotary.py normalises and rotates it; [M, N] each, as `qkv_usable` says."""
     x, weights = x.contiguous(), tuple(w.contiguous() for w in weights)
     outs = tuple(torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in weights)
     vectors = () if biases is None else tuple(b.contiguous() for b in biases)
-    _launch(x, QKV, weights, outs, sum(w.shape[0] for w in weights), vectors, (cos, sin))
+    norms = None if norms is None else (norms[0].contiguous(), norms[1].contiguous(), float(norms[2]))
+    _launch(x, QKV, weights, outs, sum(w.shape[0] for w in weights), vectors,
+            (cos, sin), norms)
     return outs
 
 
@@ -459,34 +517,44 @@ def gated(x: Tensor, gate: Tensor, up: Tensor) -> Tensor:
 
 class _QKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, *weights_and_biases: Tensor | None):
-        weights, biases = weights_and_biases[:3], weights_and_biases[3:]
-        ctx.save_for_backward(x, cos, sin, *weights)
-        return qkv(x, weights, None if biases[0] is None else biases, cos, sin)
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, eps: float, *tensors: Tensor | None):
+        weights, biases, norms = tensors[:3], tensors[3:6], tensors[6:]
+        ctx.save_for_backward(x, cos, sin, *tensors)
+        ctx.eps = eps
+        return qkv(x, weights, None if biases[0] is None else biases, cos, sin,
+                   None if norms[0] is None else (*norms, eps))
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        x, cos, sin, *weights = ctx.saved_tensors
-        grads = [unrotate(g.reshape(len(g), -1, COLUMNS), cos, sin).view_as(g) if i < 2 else g
-                 for i, g in enumerate(grads)]  # (q's and k's gradients before their rotation)
+        x, cos, sin, *tensors = ctx.saved_tensors
+        weights, biases, norms = tensors[:3], tensors[3:6], tensors[6:]
+        grads, norm_grads = list(grads), [None, None]
+        for i in range(2):  # (q's and k's gradients before their rotation, and norm, recomputed with torch)
+            g = grads[i].reshape(len(x), -1, COLUMNS)
+            if norms[i] is None:
+                grads[i] = rotary_gradients(g, cos, sin)[0].view_as(grads[i])
+            else:
+                pre = F.linear(x, weights[i], biases[i]).view_as(g)
+                dx, norm_grads[i] = rotary_gradients(g, cos, sin, pre, (norms[i], ctx.eps, "llama"))
+                grads[i] = dx.reshape(len(x), -1)
         need = ctx.needs_input_grad
         dx = sum(g @ w for g, w in zip(grads, weights, strict=True)) if need[0] else None
-        dw = [g.T @ x if need[3 + i] else None for i, g in enumerate(grads)]
-        db = [g.sum(0) if need[6 + i] else None for i, g in enumerate(grads)]
-        return dx, None, None, *dw, *db
+        dw = [g.T @ x if need[4 + i] else None for i, g in enumerate(grads)]
+        db = [g.sum(0) if need[7 + i] else None for i, g in enumerate(grads)]
+        return dx, None, None, None, *dw, *db, *(d if need[10 + i] else None for i, d in enumerate(norm_grads))
 
 
 def rotated_qkv(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], biases: tuple[Tensor, Tensor, Tensor] | None,
-                cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`qkv` for x [M, K] (one row of tokens to each of cos and sin's rows). Differentiable in x, the weights and
-    the biases."""
-    tensors = (*weights, *(biases or (None,) * 3))
+                cos: Tensor, sin: Tensor, norms: QKNorm | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`qkv` for x [M, K] (one row of tokens to each of cos and sin's rows). Differentiable in x, the weights, the
+    biases and the norms' weights."""
+    tensors = (*weights, *(biases or (None,) * 3), *(norms[:2] if norms else (None, None)))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
-        return _QKV.apply(x, cos, sin, *tensors)
-    return qkv(x, weights, biases, cos, sin)
+        return _QKV.apply(x, cos, sin, norms[2] if norms else 0.0, *tensors)
+    return qkv(x, weights, biases, cos, sin, norms)
 
 
-def compile_sm90(mode: int = GATED):
+def compile_sm90(mode: int = GATED, normed: bool = False):
     """The kernel for bf16 built for sm_90a, here, with no GPU, in one of its modes (GATED, PLUS, QKV;
     benchmarks/compile_sm90.py reports it)."""
     from triton.backends.compiler import GPUTarget
@@ -495,14 +563,15 @@ def compile_sm90(mode: int = GATED):
     def desc(block):
         return f"tensordesc<bf16{block},{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)}>"
 
-    const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, num_warps=4)
+    const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4)
     sig = {n: "constexpr" if n in const else desc([ROWS, DEPTH]) if n == "x_desc"
            else desc([COLUMNS, DEPTH]) if n[0] == "w" else desc([ROWS, COLUMNS]) if n[0] == "o"
-           else "*bf16" if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr") else "i1" if n == "biased" else "i32"
+           else "*bf16" if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr")
+           else "i1" if n == "biased" else "fp32" if n == "eps" else "i32"
            for n in _body_gemm_kernel.arg_names}
     # (as launched for a 7B's shapes, whose sizes and pointers Triton finds multiples of 16)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)
-               if n in ("p0", "p1", "p2", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")
+               if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")
                or n == "stride_p" and mode == PLUS}
     return triton.compile(GluonASTSource(_body_gemm_kernel, sig, constexprs=const, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=_FUSION[mode]))

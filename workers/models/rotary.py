@@ -67,19 +67,23 @@ def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def unrotate(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The gradient of x from the gradient of rotary_reference(x, cos, sin) (the formula is linear in x: no x
-    needed)."""
-    with torch.enable_grad():
-        x = torch.zeros_like(grad).requires_grad_()
-        return torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)[0]
-
-
 Norm = tuple[Tensor, float, str]  # a head RMSNorm to apply first: (weight [D], eps, style: "llama" or "gemma")
 
 
 def _reference(x: Tensor, cos: Tensor, sin: Tensor, norm: Norm | None) -> Tensor:
     return rotary_reference(x if norm is None else rms_norm_reference(x, *norm), cos, sin)
+
+
+def rotary_gradients(grad: Tensor, cos: Tensor, sin: Tensor, x: Tensor | None = None, norm: Norm | None = None
+                     ) -> tuple[Tensor, Tensor | None]:
+    """The gradients of x and of the norm's weight (None without a norm) from the gradient of rotary(x, cos, sin,
+    norm), by the torch formula; x is needed only with a norm (without, the formula is linear in x)."""
+    with torch.enable_grad():
+        if norm is None:
+            x = torch.zeros_like(grad).requires_grad_()
+            return torch.autograd.grad(rotary_reference(x, cos, sin), x, grad)[0], None
+        x, w = x.detach().requires_grad_(), norm[0].detach().requires_grad_()
+        return torch.autograd.grad(_reference(x, cos, sin, (w, *norm[1:])), (x, w), grad)
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None, eps: float, style: str) -> Tensor:
@@ -103,11 +107,7 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, cos, sin, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            if weight is None:
-                return unrotate(grad, cos, sin), None, None, None, None, None
-            x, w = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            dx, dw = torch.autograd.grad(_reference(x, cos, sin, (w, ctx.eps, ctx.style)), (x, w), grad)
+        dx, dw = rotary_gradients(grad, cos, sin, x, None if weight is None else (weight, ctx.eps, ctx.style))
         return dx, None, None, dw, None, None
 
 

@@ -182,7 +182,8 @@ def test_a_patched_model_runs_its_layers_through_the_kernels(monkeypatch):
     assert sorted(calls) == ["gated"] * layers + ["projected"] * (2 * layers), calls
 
 
-def _qkv_inputs(rows: int, k: int, heads: int, kv_heads: int, biased: bool, dtype: torch.dtype, seed: int = 0):
+def _qkv_inputs(rows: int, k: int, heads: int, kv_heads: int, biased: bool, dtype: torch.dtype, seed: int = 0,
+                normed: bool = False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, k, device="cuda", dtype=dtype, generator=g)
     weights = tuple(torch.randn(h * 128, k, device="cuda", dtype=dtype, generator=g) * k**-0.5
@@ -190,73 +191,85 @@ def _qkv_inputs(rows: int, k: int, heads: int, kv_heads: int, biased: bool, dtyp
     biases = tuple(torch.randn(len(w), device="cuda", dtype=dtype, generator=g) for w in weights) if biased else None
     angles = torch.rand(rows, 64, device="cuda", dtype=torch.float64, generator=g) * 100
     angles = torch.cat([angles, angles], -1)  # (HF's layout: the frequencies twice)
-    return x, weights, biases, angles.cos().to(dtype), angles.sin().to(dtype)
+    norms = (tuple(torch.rand(128, device="cuda", generator=g).to(dtype) + 0.5 for _ in range(2)) + (1e-6,)
+             if normed else None)
+    return x, weights, biases, angles.cos().to(dtype), angles.sin().to(dtype), norms
 
 
-def _qkv_exact(x, weights, biases, cos, sin):
+def _qkv_exact(x, weights, biases, cos, sin, norms=None):
+    from ppo_logprobs.workers.models.rms_norm import rms_norm_reference
     from ppo_logprobs.workers.models.rotary import rotary_reference
 
     x, cos, sin = x.double(), cos.double(), sin.double()
     q, k, v = (F.linear(x, w.double(), None if b is None else b.double()).view(len(x), -1, 128)
                for w, b in zip(weights, biases or (None,) * 3, strict=True))
+    if norms is not None:
+        q, k = (rms_norm_reference(t, w.double(), norms[2], "llama") for t, w in zip((q, k), norms[:2], strict=True))
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin), v
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,k,heads,kv_heads,biased", [(1, 64, 2, 1, True), (129, 200, 3, 1, False),
-                                                          (300, 520, 4, 2, True), (70, 3584, 7, 1, True)])
-def test_qkv_is_within_rounding_of_float64_and_rotates_as_rotary_does(dtype, rows, k, heads, kv_heads, biased):
+@pytest.mark.parametrize("rows,k,heads,kv_heads,biased,normed", [
+    (1, 64, 2, 1, True, False), (129, 200, 3, 1, False, False), (300, 520, 4, 2, True, False),
+    (70, 3584, 7, 1, True, False), (129, 200, 3, 1, False, True), (300, 520, 4, 2, True, True)])
+def test_qkv_is_within_rounding_of_float64_and_rotates_as_rotary_does(dtype, rows, k, heads, kv_heads, biased, normed):
     """q, k, v of odd shapes (rows ending inside a tile, K not a multiple of a step, an odd count of heads: the
-    last tile's second half past v) within the dtype's rounding of float64, as close as cuBLAS's projections and
-    rotary's pass; the rotation is rotary.py's to the bit (the kernel's unrotated q and k, at cos 1 and sin 0, then
-    rotary), v the kernel's unrotated v; rows alone and in the batch: the same bits."""
+    last tile's second half past v), with and without q/k head norms, within the dtype's rounding of float64, as
+    close as cuBLAS's projections and rotary's pass; the rotation is rotary.py's to the bit (the kernel's unrotated q
+    and k, at cos 1 and sin 0, then rotary), v the kernel's unrotated v; rows alone and in the batch: the same
+    bits."""
     from ppo_logprobs.workers.models import hopper_gated
     from ppo_logprobs.workers.models.rotary import rotary
 
-    x, weights, biases, cos, sin = _qkv_inputs(rows, k, heads, kv_heads, biased, dtype)
-    assert hopper_gated.qkv_usable(x, weights, biases, cos, sin)
-    got = [t.view(rows, -1, 128) for t in hopper_gated.qkv(x, weights, biases, cos, sin)]
+    x, weights, biases, cos, sin, norms = _qkv_inputs(rows, k, heads, kv_heads, biased, dtype, normed=normed)
+    assert hopper_gated.qkv_usable(x, weights, biases, cos, sin, norms)
+    got = [t.view(rows, -1, 128) for t in hopper_gated.qkv(x, weights, biases, cos, sin, norms)]
     assert [tuple(t.shape) for t in got] == [(rows, heads, 128), (rows, kv_heads, 128), (rows, kv_heads, 128)]
     before = [F.linear(x, w, b).view(rows, -1, 128) for w, b in zip(weights, biases or (None,) * 3, strict=True)]
-    before[:2] = [rotary(t, cos, sin) for t in before[:2]]
-    for y, b, e in zip(got, before, _qkv_exact(x, weights, biases, cos, sin), strict=True):
+    before[:2] = [rotary(t, cos, sin, None if norms is None else (w, norms[2], "llama"))
+                  for t, w in zip(before[:2], norms or (None, None), strict=True)]
+    for y, b, e in zip(got, before, _qkv_exact(x, weights, biases, cos, sin, norms), strict=True):
         err, err_before = ((t.double() - e).abs().max() / e.abs().max() for t in (y, b))
         assert err <= 2 * max(err_before, torch.finfo(dtype).eps), (err, err_before)
     plain = [t.view(rows, -1, 128) for t in hopper_gated.qkv(x, weights, biases, torch.ones_like(cos),
-                                                             torch.zeros_like(sin))]
+                                                             torch.zeros_like(sin), norms)]
     assert torch.equal(got[0], rotary(plain[0], cos, sin)) and torch.equal(got[1], rotary(plain[1], cos, sin))
     assert torch.equal(got[2], plain[2])
     for start, stop in ((0, 1), (rows // 2, rows)):
         alone = hopper_gated.qkv(x[start:stop].clone(), weights, biases, cos[start:stop].clone(),
-                                 sin[start:stop].clone())
+                                 sin[start:stop].clone(), norms)
         for a, w in zip(alone, got, strict=True):
             assert torch.equal(a.view(stop - start, -1, 128), w[start:stop]), (start, stop)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
-@pytest.mark.parametrize("biased", [True, False])
-def test_qkv_gradients_are_the_formulas(biased):
-    """`rotated_qkv` with gradients: the forward's bits are qkv's, and the gradients of x, the weights and the
-    biases are the torch formula's (fp32 inputs to the reference: within bf16 rounding)."""
+@pytest.mark.parametrize("biased,normed", [(True, False), (False, False), (False, True)])
+def test_qkv_gradients_are_the_formulas(biased, normed):
+    """`rotated_qkv` with gradients: the forward's bits are qkv's, and the gradients of x, the weights, the biases
+    and the head norms' weights are the torch formula's (fp32 inputs to the reference: within bf16 rounding)."""
     from ppo_logprobs.workers.models import hopper_gated
+    from ppo_logprobs.workers.models.rms_norm import rms_norm_reference
     from ppo_logprobs.workers.models.rotary import rotary_reference
 
-    x, weights, biases, cos, sin = _qkv_inputs(130, 192, 3, 1, biased, torch.bfloat16, seed=5)
-    leaves = [x, *weights, *(biases or ())]
+    x, weights, biases, cos, sin, norms = _qkv_inputs(130, 192, 3, 1, biased, torch.bfloat16, seed=5, normed=normed)
+    leaves = [x, *weights, *(biases or ()), *(norms[:2] if norms else ())]
     for t in leaves:
         t.requires_grad_()
-    out = hopper_gated.rotated_qkv(x, weights, biases, cos, sin)
+    out = hopper_gated.rotated_qkv(x, weights, biases, cos, sin, norms)
     plain = hopper_gated.qkv(x.detach(), [w.detach() for w in weights],
-                             None if biases is None else [b.detach() for b in biases], cos, sin)
+                             None if biases is None else [b.detach() for b in biases], cos, sin,
+                             None if norms is None else (norms[0].detach(), norms[1].detach(), norms[2]))
     assert all(torch.equal(a, b) for a, b in zip(out, plain, strict=True))
     grads = [torch.randn_like(t) for t in out]
     got = torch.autograd.grad(out, leaves, grads)
     ref = [t.detach().float().requires_grad_() for t in leaves]
-    bs = ref[4:] or [None] * 3
+    bs = ref[4:7] if biased else [None] * 3
     q, k, v = (F.linear(ref[0], w, b).view(130, -1, 128) for w, b in zip(ref[1:4], bs, strict=True))
+    if normed:
+        q, k = (rms_norm_reference(t, w, norms[2], "llama") for t, w in zip((q, k), ref[-2:], strict=True))
     want = torch.autograd.grad(
         [rotary_reference(q, cos.float(), sin.float()), rotary_reference(k, cos.float(), sin.float()), v], ref,
         [g.float().view(130, -1, 128) for g in grads])
@@ -271,9 +284,13 @@ def test_what_qkv_refuses():
     some."""
     from ppo_logprobs.workers.models import hopper_gated
 
-    x, weights, biases, cos, sin = _qkv_inputs(16, 64, 2, 1, True, torch.bfloat16)
+    x, weights, biases, cos, sin, _ = _qkv_inputs(16, 64, 2, 1, True, torch.bfloat16)
     assert hopper_gated.qkv_usable(x, weights, biases, cos, sin)
     assert hopper_gated.qkv_usable(x, weights, None, cos, sin)
+    norms = (torch.ones(128, device="cuda", dtype=x.dtype),) * 2 + (1e-6,)
+    assert hopper_gated.qkv_usable(x, weights, None, cos, sin, norms)
+    assert not hopper_gated.qkv_usable(x, weights, None, cos, sin, (norms[0][:64], norms[1][:64], 1e-6))
+    assert not hopper_gated.qkv_usable(x, weights, None, cos, sin, (norms[0].float(), norms[1].float(), 1e-6))
     assert not hopper_gated.qkv_usable(x, (weights[0][:192], *weights[1:]), None, cos, sin)
     assert not hopper_gated.qkv_usable(x, weights, biases, cos[:, :64], sin[:, :64])
     assert not hopper_gated.qkv_usable(x, weights, biases, cos[:8], sin[:8])
@@ -285,18 +302,19 @@ def test_what_qkv_refuses():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
 def test_a_model_with_heads_of_128_takes_qkv_and_keeps_a_sequences_bits(family, monkeypatch):
-    """A small Qwen2 (q/k/v biases) and Llama (none) with heads of 128 in bf16, patched: a packed forward runs each
-    layer's q, k and v as one `rotated_qkv` call; a sequence's log-probs have the same bits packed at any offset
-    and alone, and are within bf16's reach of the unpatched model's (HF's sdpa)."""
+    """A small Qwen2 (q/k/v biases), Llama (none) and Qwen3 (q/k norms) with heads of 128 in bf16, patched: a packed
+    forward runs each layer's q, k and v as one `rotated_qkv` call; a sequence's log-probs have the same bits packed
+    at any offset and alone, and are within bf16's reach of the unpatched model's (HF's sdpa)."""
     import transformers
 
     from ppo_logprobs.workers.models import hopper_gated
     from ppo_logprobs.workers.models.patch_model import patch_model
 
     config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
+                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     config = config_cls(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096)
     torch.manual_seed(0)
