@@ -229,7 +229,7 @@ def test_qkv_is_within_rounding_of_float64_and_rotates_as_rotary_does(dtype, row
     assert [tuple(t.shape) for t in got] == [(rows, heads, 128), (rows, kv_heads, 128), (rows, kv_heads, 128)]
     before = [F.linear(x, w, b).view(rows, -1, 128) for w, b in zip(weights, biases or (None,) * 3, strict=True)]
     before[:2] = [rotary(t, cos, sin, None if norms is None else (w, norms[2], "llama"))
-                  for t, w in zip(before[:2], norms or (None, None), strict=True)]
+                  for t, w in zip(before[:2], (norms or (None,) * 3)[:2], strict=True)]
     for y, b, e in zip(got, before, _qkv_exact(x, weights, biases, cos, sin, norms), strict=True):
         err, err_before = ((t.double() - e).abs().max() / e.abs().max() for t in (y, b))
         assert err <= 2 * max(err_before, torch.finfo(dtype).eps), (err, err_before)
