@@ -20,6 +20,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
+from ppo_logprobs.workers.models import grouped_gemm as gg
 from ppo_logprobs.workers.models.fuse_body import unfuse_body
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -171,7 +172,6 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     """One expert layer (tokens routed uniformly at random, the shape's top k): our gate/up, down and combine
     kernels under several tilings, torch._grouped_mm on the same sorted rows, and a dense GEMM of gate/up's
     FLOPs; ms and TFLOP/s."""
-    from ppo_logprobs.workers.models import grouped_gemm as gg
     from ppo_logprobs.workers.models.experts import sort_by_expert
 
     h, i, e, k = (config[key] for key in ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"))
@@ -206,10 +206,14 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     down_tilings = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 2),
                     (256, 128, 64, 8, 3), (128, 128, 128, 8, 2)]
     default = gg._tiles
+    products = (("gate_up+silu", gate_up_tilings, lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source)),
+                ("down", down_tilings, lambda: gg.grouped_gemm(middle, down, counts)))
+    for name, _, product in products:
+        if gg._hopper(hidden, gate_up) is not None:
+            row(f"ours {name} (hopper_grouped, the default)", product, (2 if name == "down" else 4) * flops / 2)
+    gg.GLUON = False  # (the Triton kernel under its tilings)
     try:
-        for name, tilings, product in (
-                ("gate_up+silu", gate_up_tilings, lambda: gg.grouped_gate_up(hidden, gate_up, counts, source=source)),
-                ("down", down_tilings, lambda: gg.grouped_gemm(middle, down, counts))):
+        for name, tilings, product in products:
             for tiles in [default(dtype, name != "down")] + ([gg.Tiles(*c) for c in tilings] if cuda else []):
                 gg._tiles = lambda _dtype, _gated=False, tiles=tiles: tiles
                 label = "x".join(map(str, tiles[:3])) + f" w{tiles.num_warps} s{tiles.num_stages}"
@@ -218,7 +222,7 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
                 except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
                     print(f"{name} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
     finally:
-        gg._tiles = default
+        gg._tiles, gg.GLUON = default, True
     row("ours sort by expert", lambda: sort_by_expert(index, e, "triton"), 0)
     row("ours combine", lambda: gg.combine(out, position.view(tokens, k), weights), 0)
 
@@ -239,6 +243,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="where our forward's time goes: its kernels, then exit")
     parser.add_argument("--sweep", action="store_true",
                         help="one expert layer's kernels for several tilings, beside torch._grouped_mm, then exit")
+    parser.add_argument("--skip-hf", action="store_true", help="no HF baselines (their figures: BENCHMARKS.md)")
+    parser.add_argument("--before", action="store_true",
+                        help="ours with the Triton grouped kernels too (the path before hopper_grouped), same run")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -264,7 +271,7 @@ def main() -> None:
     for name, seqs in cases.items():
         tokens = sum(map(len, seqs))
         row = dict(case=name, tokens=tokens)
-        for impl in ("grouped_mm", "eager"):
+        for impl in () if args.skip_hf else ("grouped_mm", "eager"):
             try:
                 model.set_experts_implementation(impl)
                 row[f"hf_{impl}_tokens_per_s"] = tokens / timed(lambda: hf_scores(model, seqs, device), cuda,
@@ -278,6 +285,10 @@ def main() -> None:
         patch_model(model, backend="torch" if args.tiny else "auto")
         worker = LogProbWorker(model)
         row["ours_tokens_per_s"] = tokens / timed(lambda: worker.score(seqs), cuda, args.reps)
+        if args.before:
+            gg.GLUON = False
+            row["ours_triton_grouped_tokens_per_s"] = tokens / timed(lambda: worker.score(seqs), cuda, args.reps)
+            gg.GLUON = True
         if cuda:  # beside the sorted rows' buffers of one expert layer (its middle and its down products, bf16)
             row["ours_peak_extra_gib"] = peak_extra_gib(lambda: worker.score(seqs))
             row["sorted_buffers_gib"] = tokens * config["num_experts_per_tok"] * 2 * (
@@ -295,18 +306,20 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     meta = dict(model="tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B shape, random bf16", device=device,
                 torch=torch.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
-                active_parameters=active_parameters(config), options={"reps": args.reps} if args.reps != 3 else {})
+                active_parameters=active_parameters(config),
+                options={k: v for k, v in vars(args).items() if k != "out" and v and (k, v) != ("reps", 3)})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{'case':>16}{'tokens':>8}{'ours tok/s':>12}{'HF grouped_mm':>15}{'HF eager':>10}{'of floor':>10}"
-          f"{'differ':>8}")
+          f"{'differ':>8}{'ours, Triton grouped':>22}")
     for r in rows:
         hf = [r.get(f"hf_{i}_tokens_per_s") for i in ("grouped_mm", "eager")]
         print(f"{r['case']:>16}{r['tokens']:>8}{r['ours_tokens_per_s']:>12.0f}"
               + "".join(f"{x:>15.0f}" if x else f"{'-':>15}" for x in hf[:1])
               + "".join(f"{x:>10.0f}" if x else f"{'-':>10}" for x in hf[1:])
-              + (f"{r['of_floor']:>10.2f}" if "of_floor" in r else f"{'-':>10}") + f"{r['sequences_differing']:>8}")
+              + (f"{r['of_floor']:>10.2f}" if "of_floor" in r else f"{'-':>10}") + f"{r['sequences_differing']:>8}"
+              + f"{r.get('ours_triton_grouped_tokens_per_s', 0):>22.0f}")
     for r in rows:
         if "ours_peak_extra_gib" in r:
             print(f"{r['case']}: peak GiB beyond the weights: ours {r['ours_peak_extra_gib']:.2f} (one layer's sorted "

@@ -19,6 +19,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..head.triton_log_probs_forward import _dot, dot_precision, group_schedule, interpreting
+from .causal_attention import hopper_kernels
 
 
 class Tiles(NamedTuple):
@@ -120,6 +121,18 @@ def _operand(t: Tensor, block: list[int]) -> tuple[object, bool]:
     return TensorDescriptor.from_tensor(t if t.data_ptr() % 16 == 0 else t.clone(), block), True
 
 
+GLUON = True  # hopper_grouped's kernel where it runs (benchmarks set False for the Triton kernel, the path before)
+
+
+def _hopper(x: Tensor, weight: Tensor):
+    """hopper_grouped, where Triton has Gluon's Hopper operations and its kernel runs x and weight, or None."""
+    if not GLUON or interpreting() or hopper_kernels() is None:
+        return None
+    from . import hopper_grouped
+
+    return hopper_grouped if hopper_grouped.usable(x, weight, _tiles(x.dtype).block_m) else None
+
+
 def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gated: bool) -> Tensor:
     k = x.shape[1]
     num_experts, w_rows, _ = weight.shape
@@ -127,6 +140,10 @@ def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gate
     out = x.new_empty(x.shape[0] if source is None else source.shape[0], n)
     tiles = _tiles(x.dtype, gated)
     x, weight = x.contiguous(), weight.contiguous()
+    hopper = _hopper(x, weight)
+    if hopper is not None and len(out):
+        hopper.launch(x, weight, rows.expert, rows.row, rows.end, source, gated, out)
+        return out
     x_arg, x_tma = (x, False) if source is not None else _operand(x, [tiles.block_m, tiles.block_k])
     w_arg, w_tma = _operand(weight.view(-1, k), [tiles.block_n, tiles.block_k])
     _grouped_gemm_kernel[(rows.expert.numel() * triton.cdiv(n, tiles.block_n),)](

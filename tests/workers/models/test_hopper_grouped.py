@@ -1,0 +1,161 @@
+"""hopper_grouped.py: a mixture's grouped products (gate/up with the SiLU middle, reading tokens' rows in place; down)
+as a persistent Gluon GEMM. Built for sm_90a here; on a Hopper GPU against float64 on odd shapes (experts with no
+rows, one row, rows across tiles, rows of no expert), against the Triton kernel, a row's bits whatever its expert's
+other rows, and an MoE model taking it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppo_logprobs.workers.models import grouped_gemm as gg
+from ppo_logprobs.workers.models.causal_attention import hopper_kernels
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and hopper_kernels() is not None
+NEEDS = "needs a Hopper GPU (and Triton 3.6 or later)"
+
+
+@pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
+def test_the_kernel_builds_for_sm90a_within_a_programs_shared_memory():
+    """Compiled here for sm_90a (no GPU; a process without the interpreter), gate/up reading rows in place and down:
+    each fits a Hopper program's shared memory and keeps a step of products in flight (wait_group 2); down spills
+    nothing."""
+    script = ("import sys; sys.path.insert(0, 'benchmarks')\n"
+              "from compile_sm90 import _report\n"
+              "from ppo_logprobs.workers.models import hopper_grouped as h\n"
+              "for gated in (True, False):\n"
+              "    c = h.compile_sm90(gated, gather=gated); said, _ = _report(c)\n"
+              "    print('shared', c.metadata.shared, 'waits2', 'wgmma.wait_group.sync.aligned 2;' in c.asm['ptx'],\n"
+              "          'spill', said[0].split(' bytes spill stores')[0].split()[-1])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=root)
+    builds = [line.split() for line in done.stdout.splitlines() if line.startswith("shared")]
+    assert len(builds) == 2, done.stderr[-2000:]
+    for _, shared, _, waits, _, _ in builds:
+        assert int(shared) <= 232448 and waits == "True", builds
+    assert builds[1][5] == "0", builds
+
+
+def _inputs(experts: int, n: int, k: int, counts: list[int], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(experts, n, k, generator=g) * k**-0.5).to("cuda", dtype)
+    x = torch.randn(sum(counts), k, generator=g).to("cuda", dtype)
+    return weight, x
+
+
+def _exact(x: torch.Tensor, weight: torch.Tensor, counts: list[int], gated: bool) -> torch.Tensor:
+    """Each expert's rows times its weight in float64 (gated: silu(gate) * up); rows of no expert zeros."""
+    out = torch.zeros(len(x), weight.shape[1] // (2 if gated else 1), dtype=torch.float64, device=x.device)
+    lo = 0
+    for e, rows in enumerate(counts[: len(weight)]):
+        y = x[lo : lo + rows].double() @ weight[e].double().T
+        if gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        out[lo : lo + rows] = y
+        lo += rows
+    return out
+
+
+# (experts with no rows, one row, rows across tiles of 128, the last tile ending inside a warpgroup's 64 rows,
+# rows of no expert; K not a multiple of a step; outputs not a multiple of a tile)
+COUNTS = [200, 0, 1, 64, 129, 0, 37, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NEEDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize(("n", "k"), [(160, 200), (272, 64)])
+def test_grouped_products_are_within_rounding_of_float64_and_the_triton_kernels(dtype, gated, n, k, monkeypatch):
+    """The kernel's products (gated: the middle) for each expert's rows within the dtype's rounding of float64, as
+    close as the Triton kernel's; rows of no expert are zeros; reading rows in place (source) gives the gathered
+    rows' bits."""
+    weight, x = _inputs(len(COUNTS) - 1, n, k, COUNTS, dtype)
+    counts = torch.tensor(COUNTS, device="cuda")
+    assert gg._hopper(x, weight) is not None
+
+    def run(t, source=None):
+        return (gg.grouped_gate_up(t, weight, counts, source) if gated else gg.grouped_gemm(t, weight, counts))
+
+    got = run(x)
+    monkeypatch.setattr(gg, "GLUON", False)
+    triton_kernel = run(x)
+    monkeypatch.setattr(gg, "GLUON", True)
+    exact = _exact(x, weight, COUNTS, gated)
+    scale = exact.abs().max()
+    err, err_triton = ((y.double() - exact).abs().max() / scale for y in (got, triton_kernel))
+    assert err <= 2 * max(err_triton, torch.finfo(dtype).eps), (err, err_triton)
+    assert (got[-COUNTS[-1]:] == 0).all()
+    if gated:
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1)).to("cuda")
+        tokens = torch.empty_like(x).index_copy_(0, perm, x)  # (x's rows scattered: source reads them back)
+        assert torch.equal(run(tokens, perm), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NEEDS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_rows_bits_do_not_depend_on_its_experts_other_rows(gated):
+    """Rows of an expert computed with 1, 7, 130 and 300 rows around them, at any offset inside a tile: the same
+    bits."""
+    weight, x = _inputs(3, 144, 96, [300, 0, 0], torch.bfloat16, seed=2)
+
+    def run(rows, before):
+        counts = torch.tensor([before, len(rows), 0, 0], device="cuda")
+        pad = torch.randn(before, x.shape[1], device="cuda").to(x.dtype)
+        y = torch.cat([pad, rows])
+        return (gg.grouped_gate_up(y, weight, counts) if gated else gg.grouped_gemm(y, weight, counts))[before:]
+
+    whole = run(x, 0)
+    for start, stop, before in ((5, 6, 0), (100, 107, 37), (0, 130, 64), (170, 300, 127)):
+        assert torch.equal(run(x[start:stop].clone(), before), whole[start:stop]), (start, stop, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NEEDS)
+def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
+    """A small Qwen3-MoE in bf16 whose experts the kernel runs, patched: each expert layer launches it twice (gate/up
+    reading rows in place, then down); a sequence's log-probs have the same bits packed at any offset and alone, and
+    are within bf16's reach of the unpatched model's."""
+    import transformers
+
+    from ppo_logprobs.workers.models import hopper_grouped
+    from ppo_logprobs.workers.models.patch_model import patch_model
+
+    config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=96, intermediate_size=192, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():  # (experts and routers far enough from their initial values to matter)
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or "mlp.gate" in name:
+                p.normal_(0, 0.05)
+    g = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(3, 500, (n,), generator=g) for n in (300, 7, 130)]
+    with torch.no_grad():
+        hf = [type(model).forward(model, input_ids=s[None].cuda()).logits.float().log_softmax(-1)[0, :-1]
+              .gather(-1, s[1:, None].cuda())[:, 0] for s in sequences]
+    patch_model(model, packed_attention="varlen")
+    calls = []
+    real = hopper_grouped.launch
+    monkeypatch.setattr(hopper_grouped, "launch", lambda *a: calls.append(a[6]) or real(*a))
+    with torch.no_grad():
+        for order in ([0, 1, 2], [2, 1, 0]):
+            ids = torch.cat([sequences[i] for i in order])[None].cuda()
+            positions = torch.cat([torch.arange(len(sequences[i])) for i in order])[None].cuda()
+            out, at = model(input_ids=ids, position_ids=positions).log_probs[0], 0
+            for i in order:
+                n = len(sequences[i])
+                alone = model(input_ids=sequences[i][None].cuda()).log_probs[0]
+                assert torch.equal(out[at : at + n], alone), (order, i)
+                torch.testing.assert_close(alone[:-1].float(), hf[i], rtol=0, atol=5e-2)
+                at += n
+    assert calls == [True, False] * (1 + 3) * 2 * config.num_hidden_layers, calls
