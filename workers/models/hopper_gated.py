@@ -119,14 +119,17 @@ def _zero(x_smem, g_smem):
 
 @gluon.jit
 def _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps, zero,
-                   GROUP: gl.constexpr):
+                   GROUP: gl.constexpr, FENCE: gl.constexpr = False):
     """Tile t's row and column blocks, and this warpgroup's 64 rows of it: both products over K from steps i ..
     i + k_steps - 1 of the ring, one step's products in flight while the next step's are issued; each buffer
-    released once its products are done."""
+    released once its products are done. FENCE: x's rows came by cp.async (another proxy than wgmma's), so each
+    step fences them before its products."""
     STAGES: gl.constexpr = g_smem.shape[0]
     m, n = _tile(t, m_tiles, n_tiles, GROUP)
     st = i % STAGES
     mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+    if FENCE:
+        fence_async_shared()
     a = x_smem.index(2 * st + half)
     g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
     u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -134,6 +137,8 @@ def _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_
     for k in range(1, k_steps):
         st = (i + k) % STAGES
         mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
+        if FENCE:
+            fence_async_shared()
         a = x_smem.index(2 * st + half)
         g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
         u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)

@@ -23,7 +23,7 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .hopper_attention import _tma_load
 from .hopper_gated import (
@@ -54,12 +54,13 @@ def usable(x: Tensor, weight: Tensor, block_m: int) -> bool:
 @gluon.jit
 def _gather(x_ptr, source_ptr, n_source, k_dim, r0, k0, dst):
     """Rows r0 .. r0 + 63 of x[source] (zeros past n_source), columns k0 .. k0 + DEPTH - 1, into dst by cp.async,
-    16 rows at a time (one warp)."""
+    16 rows at a time (four warps, 16 bytes a thread)."""
     R: gl.constexpr = dst.shape[0]
     D: gl.constexpr = dst.shape[1]
     CHUNK: gl.constexpr = 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     cols = k0 + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    k_dim = gl.multiple_of(k_dim, 8)  # (`usable`: rows of whole 16 bytes)
     for c in gl.static_range(R // CHUNK):
         rows = r0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
         inside = rows < n_source
@@ -72,13 +73,12 @@ def _gather(x_ptr, source_ptr, n_source, k_dim, r0, k0, dst):
 def _grouped_loads(x_desc, x_ptr, source_ptr, n_source, k_dim, w_desc, expert_ptr, row_ptr, n_experts, w_rows, n_step,
                    n_second, x_smem, g_smem, u_smem, ready, empty, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr,
                    GATHER: gl.constexpr):
-    """The loads (one warp), as hopper_gated._loads, for the schedule's tiles: an expert's weight rows
-    expert * w_rows + n * n_step and n_second further; x's rows by TMA, or gathered (`_gather`): a step is then
-    ready once its weights (TMA) and its rows (cp.async, waited STAGES - 2 steps later) are in."""
+    """The loads, as hopper_gated._loads, for the schedule's tiles: an expert's weight rows expert * w_rows + n *
+    n_step and n_second further; x's rows by TMA (one warp), or gathered (`_gather`, four warps): a step is then
+    ready once its weights' bytes and every thread's copies are in."""
     STAGES: gl.constexpr = g_smem.shape[0]
     ROWS: gl.constexpr = x_smem.shape[1]
     DEPTH: gl.constexpr = x_smem.shape[2]
-    LAG: gl.constexpr = STAGES - 2
     nbytes: gl.constexpr = 2 * w_desc.block_type.nbytes + (0 if GATHER else 2 * x_desc.block_type.nbytes)
     i = 0
     for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
@@ -93,23 +93,14 @@ def _grouped_loads(x_desc, x_ptr, source_ptr, n_source, k_dim, w_desc, expert_pt
                 mbarrier.expect(ready.index(st), nbytes)
                 _tma_load(w_desc, [c, k * DEPTH], ready.index(st), g_smem.index(st))
                 _tma_load(w_desc, [c + n_second, k * DEPTH], ready.index(st), u_smem.index(st))
-                if GATHER:
+                if GATHER:  # (each thread arrives once its copies have landed: one of the barrier's count)
                     _gather(x_ptr, source_ptr, n_source, k_dim, row0, k * DEPTH, x_smem.index(2 * st))
                     _gather(x_ptr, source_ptr, n_source, k_dim, row0 + ROWS, k * DEPTH, x_smem.index(2 * st + 1))
-                    async_copy.commit_group()
-                    if i >= LAG:  # (step i - LAG's rows are in: visible to wgmma, then ready)
-                        async_copy.wait_group(LAG)
-                        fence_async_shared()
-                        mbarrier.arrive(ready.index((i - LAG) % STAGES))
+                    async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
                 else:
                     _tma_load(x_desc, [row0, k * DEPTH], ready.index(st), x_smem.index(2 * st))
                     _tma_load(x_desc, [row0 + ROWS, k * DEPTH], ready.index(st), x_smem.index(2 * st + 1))
                 i += 1
-    if GATHER:  # (the last steps' rows)
-        async_copy.wait_group(0)
-        fence_async_shared()
-        for j in range(gl.maximum(i - LAG, 0), i):
-            mbarrier.arrive(ready.index(j % STAGES))
 
 
 @gluon.jit
@@ -142,9 +133,10 @@ def _rows_store(y, out_smem, out_desc, out_ptr, n_cols, r0, end, c0):
 
 @gluon.jit
 def _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr,
-                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr, GATED: gl.constexpr):
+                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr, GATED: gl.constexpr,
+                   FENCE: gl.constexpr):
     """One warpgroup's 64 rows of each tile: GATED, the middle of its COLUMNS columns; else its 2 x COLUMNS
-    columns of the product, one half after the other."""
+    columns of the product, one half after the other. FENCE: x's rows were gathered (`_tile_products`)."""
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
     dtype: gl.constexpr = out_desc.dtype
@@ -160,7 +152,7 @@ def _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
             u = zero
             if expert < n_experts:  # (else rows routed to no expert: zeros)
                 m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles,
-                                            k_steps, zero, GROUP)
+                                            k_steps, zero, GROUP, FENCE)
                 i += k_steps
             if GATED:
                 gate = g.to(dtype).to(gl.float32)
@@ -176,14 +168,21 @@ def _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
 def _gated_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr, row_ptr,
                  end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
     _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr,
-                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP, True)
+                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP, True, False)
+
+
+@gluon.jit
+def _gathered_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr,
+                    row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
+    _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr,
+                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP, True, True)
 
 
 @gluon.jit
 def _plain_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr, row_ptr,
                  end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
     _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, out_ptr, n_cols, expert_ptr,
-                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP, False)
+                   row_ptr, end_ptr, n_experts, m_tiles, n_tiles, k_steps, GROUP, False, False)
 
 
 @gluon.jit
@@ -192,7 +191,7 @@ def _grouped_kernel(x_desc, x_ptr, source_ptr, n_source, w_desc, out_desc, out_p
                     GROUP: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr, num_warps: gl.constexpr):
     """out = the schedule's tiles of x (GATHER: x[source]) times their expert's rows of w [experts * w_rows, K]:
     GATED, the middle of gate (an expert's first n_cols rows) and up (the next n_cols); else the product, n_cols
-    columns."""
+    columns. GATHER: gate/up only."""
     ROWS: gl.constexpr = x_desc.block_type.shape[0]
     DEPTH: gl.constexpr = x_desc.block_type.shape[1]
     COLUMNS: gl.constexpr = w_desc.block_type.shape[0]
@@ -202,8 +201,9 @@ def _grouped_kernel(x_desc, x_ptr, source_ptr, n_source, w_desc, out_desc, out_p
     out_smem = gl.allocate_shared_memory(out_desc.dtype, [2, ROWS, COLUMNS], out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    GATHER_WARPS: gl.constexpr = 4  # (`_gather`'s layout)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=2 if GATHER else 1)  # (gathered: the weights' bytes and the rows)
+        mbarrier.init(ready.index(s), count=1 + 32 * GATHER_WARPS if GATHER else 1)  # (+ each gathering thread)
         mbarrier.init(empty.index(s), count=2)
     common = (x_smem, g_smem, u_smem, ready, empty)
     sizes = (m_tiles, n_tiles, k_steps, GROUP)
@@ -214,12 +214,11 @@ def _grouped_kernel(x_desc, x_ptr, source_ptr, n_source, w_desc, out_desc, out_p
     first = (0,) + common + (out_smem.index(0), out_desc, out_ptr, n_cols) + schedule + sizes
     second = (1,) + common + (out_smem.index(1), out_desc, out_ptr, n_cols) + schedule + sizes
     # (constexprs reach a partition as values: each kind has partitions of its own)
-    if GATED and GATHER:
-        gl.warp_specialize([(_gated_tiles, first), (_gated_tiles, second), (_gather_loads, loads)], [4, 1], [240, 32])
+    if GATHER:  # (gate/up only)
+        gl.warp_specialize([(_gathered_tiles, first), (_gathered_tiles, second), (_gather_loads, loads)],
+                           [4, GATHER_WARPS], [240, 32])
     elif GATED:
         gl.warp_specialize([(_gated_tiles, first), (_gated_tiles, second), (_copy_loads, loads)], [4, 1], [240, 32])
-    elif GATHER:
-        gl.warp_specialize([(_plain_tiles, first), (_plain_tiles, second), (_gather_loads, loads)], [4, 1], [240, 32])
     else:
         gl.warp_specialize([(_plain_tiles, first), (_plain_tiles, second), (_copy_loads, loads)], [4, 1], [240, 32])
 
@@ -227,7 +226,8 @@ def _grouped_kernel(x_desc, x_ptr, source_ptr, n_source, w_desc, out_desc, out_p
 def launch(x: Tensor, weight: Tensor, expert: Tensor, row: Tensor, end: Tensor, source: Tensor | None, gated: bool,
            out: Tensor) -> None:
     """out [rows, N] = grouped_gemm._launch's product (gated: the middle) for the schedule (expert, row, end) of
-    tiles of 128 rows, as `usable` says. x [rows, K] in expert order, or with `source` the rows x[source]."""
+    tiles of 128 rows, as `usable` says. x [rows, K] in expert order, or with `source` (gated only) the rows
+    x[source]."""
     k = x.shape[1]
     num_experts, w_rows, _ = weight.shape
     n = out.shape[1]

@@ -23,7 +23,8 @@ NEEDS = "needs a Hopper GPU (and Triton 3.6 or later)"
 def test_the_kernel_builds_for_sm90a_within_a_programs_shared_memory():
     """Compiled here for sm_90a (no GPU; a process without the interpreter), gate/up reading rows in place and down:
     each fits a Hopper program's shared memory and keeps a step of products in flight (wait_group 2); down spills
-    nothing."""
+    nothing, gate/up at most 16 bytes (Triton 3.9's build of the gathering warps spills 12; 3.6's, what the GPU
+    host runs, none)."""
     script = ("import sys; sys.path.insert(0, 'benchmarks')\n"
               "from compile_sm90 import _report\n"
               "from ppo_logprobs.workers.models import hopper_grouped as h\n"
@@ -39,7 +40,7 @@ def test_the_kernel_builds_for_sm90a_within_a_programs_shared_memory():
     assert len(builds) == 2, done.stderr[-2000:]
     for _, shared, _, waits, _, _ in builds:
         assert int(shared) <= 232448 and waits == "True", builds
-    assert builds[1][5] == "0", builds
+    assert int(builds[0][5]) <= 16 and builds[1][5] == "0", builds
 
 
 def _inputs(experts: int, n: int, k: int, counts: list[int], dtype: torch.dtype, seed: int = 0):
