@@ -124,13 +124,15 @@ def _operand(t: Tensor, block: list[int]) -> tuple[object, bool]:
 GLUON = True  # hopper_grouped's kernel where it runs (benchmarks set False for the Triton kernel, the path before)
 
 
-def _hopper(x: Tensor, weight: Tensor):
-    """hopper_grouped, where Triton has Gluon's Hopper operations and its kernel runs x and weight, or None."""
+def _hopper(x: Tensor, weight: Tensor, gather: bool = False):
+    """hopper_grouped, where Triton has Gluon's Hopper operations and its kernel runs x and weight (`gather`: rows
+    read in place), or None."""
     if not GLUON or interpreting() or hopper_kernels() is None:
         return None
     from . import hopper_grouped
 
-    return hopper_grouped if hopper_grouped.usable(x, weight, _tiles(x.dtype).block_m) else None
+    usable = hopper_grouped.gather_usable if gather else hopper_grouped.usable
+    return hopper_grouped if usable(x, weight, _tiles(x.dtype).block_m) else None
 
 
 def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gated: bool) -> Tensor:
@@ -140,7 +142,7 @@ def _launch(x: Tensor, weight: Tensor, rows: Groups, source: Tensor | None, gate
     out = x.new_empty(x.shape[0] if source is None else source.shape[0], n)
     tiles = _tiles(x.dtype, gated)
     x, weight = x.contiguous(), weight.contiguous()
-    hopper = _hopper(x, weight)
+    hopper = _hopper(x, weight, source is not None)
     if hopper is not None and len(out):
         hopper.launch(x, weight, rows.expert, rows.row, rows.end, source, gated, out)
         return out

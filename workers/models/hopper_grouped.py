@@ -51,22 +51,29 @@ def usable(x: Tensor, weight: Tensor, block_m: int) -> bool:
             and _copyable(x, weight.view(-1, weight.shape[2])))
 
 
+def gather_usable(x: Tensor, weight: Tensor, block_m: int) -> bool:
+    """As `usable`, for rows read in place (gate/up with a source): whole steps of K (no column of a step past a
+    row's end), x of fewer than 2**31 elements."""
+    return usable(x, weight, block_m) and x.shape[1] % DEPTH == 0 and x.numel() < 2**31
+
+
+_GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # (four warps, 16 bytes a thread)
+
+
 @gluon.jit
-def _gather(x_ptr, source_ptr, n_source, k_dim, r0, k0, dst):
-    """Rows r0 .. r0 + 63 of x[source] (zeros past n_source), columns k0 .. k0 + DEPTH - 1, into dst by cp.async,
-    16 rows at a time (four warps, 16 bytes a thread)."""
-    R: gl.constexpr = dst.shape[0]
-    D: gl.constexpr = dst.shape[1]
-    CHUNK: gl.constexpr = 16
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    cols = k0 + gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-    k_dim = gl.multiple_of(k_dim, 8)  # (`usable`: rows of whole 16 bytes)
-    for c in gl.static_range(R // CHUNK):
-        rows = r0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-        inside = rows < n_source
-        src = gl.load(source_ptr + rows, mask=inside, other=0)
-        _async_load(dst.slice(c * CHUNK, CHUNK), x_ptr + src.to(gl.int64)[:, None] * k_dim + cols[None, :],
-                    mask=inside[:, None] & (cols < k_dim)[None, :])
+def _row_offsets(source_ptr, n_source, k_dim, r0, R: gl.constexpr):
+    """Where rows r0 .. r0 + R - 1 of x[source] start in x (elements; rows past n_source read row 0's, which no
+    tile stores), in the layout `_gather` copies by."""
+    rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, _GATHER))
+    src = gl.load(source_ptr + rows, mask=rows < n_source, other=0).to(gl.int32)
+    return gl.multiple_of(src * k_dim, 8)  # (`usable`: x of fewer than 2**31 elements, rows of whole 16 bytes)
+
+
+@gluon.jit
+def _gather(x_ptr, offsets, k0, dst):
+    """Columns k0 .. k0 + DEPTH - 1 of the rows starting at `offsets` (`_row_offsets`) into dst by cp.async."""
+    cols = k0 + gl.arange(0, dst.shape[1], layout=gl.SliceLayout(0, _GATHER))
+    _async_load(dst, x_ptr + offsets[:, None] + cols[None, :])
 
 
 @gluon.jit
@@ -87,6 +94,9 @@ def _grouped_loads(x_desc, x_ptr, source_ptr, n_source, k_dim, w_desc, expert_pt
         if (expert >= 0) & (expert < n_experts):
             row0 = gl.load(row_ptr + m).to(gl.int32)
             c = expert * w_rows + n * n_step
+            if GATHER:  # (a tile's rows, read once)
+                lo = _row_offsets(source_ptr, n_source, k_dim, row0, ROWS)
+                hi = _row_offsets(source_ptr, n_source, k_dim, row0 + ROWS, ROWS)
             for k in range(k_steps):
                 st = i % STAGES
                 mbarrier.wait(empty.index(st), ((i // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase)
@@ -94,8 +104,8 @@ def _grouped_loads(x_desc, x_ptr, source_ptr, n_source, k_dim, w_desc, expert_pt
                 _tma_load(w_desc, [c, k * DEPTH], ready.index(st), g_smem.index(st))
                 _tma_load(w_desc, [c + n_second, k * DEPTH], ready.index(st), u_smem.index(st))
                 if GATHER:  # (each thread arrives once its copies have landed: one of the barrier's count)
-                    _gather(x_ptr, source_ptr, n_source, k_dim, row0, k * DEPTH, x_smem.index(2 * st))
-                    _gather(x_ptr, source_ptr, n_source, k_dim, row0 + ROWS, k * DEPTH, x_smem.index(2 * st + 1))
+                    _gather(x_ptr, lo, k * DEPTH, x_smem.index(2 * st))
+                    _gather(x_ptr, hi, k * DEPTH, x_smem.index(2 * st + 1))
                     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
                 else:
                     _tma_load(x_desc, [row0, k * DEPTH], ready.index(st), x_smem.index(2 * st))

@@ -73,11 +73,11 @@ COUNTS = [200, 0, 1, 64, 129, 0, 37, 3]
 @pytest.mark.skipif(not HOPPER, reason=NEEDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize(("n", "k"), [(160, 200), (272, 64)])
+@pytest.mark.parametrize(("n", "k"), [(160, 200), (272, 192)])
 def test_grouped_products_are_within_rounding_of_float64_and_the_triton_kernels(dtype, gated, n, k, monkeypatch):
     """The kernel's products (gated: the middle) for each expert's rows within the dtype's rounding of float64, as
     close as the Triton kernel's; rows of no expert are zeros; reading rows in place (source) gives the gathered
-    rows' bits."""
+    rows' bits (the Triton kernel's where K is not whole steps)."""
     weight, x = _inputs(len(COUNTS) - 1, n, k, COUNTS, dtype)
     counts = torch.tensor(COUNTS, device="cuda")
     assert gg._hopper(x, weight) is not None
@@ -97,7 +97,11 @@ def test_grouped_products_are_within_rounding_of_float64_and_the_triton_kernels(
     if gated:
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1)).to("cuda")
         tokens = torch.empty_like(x).index_copy_(0, perm, x)  # (x's rows scattered: source reads them back)
-        assert torch.equal(run(tokens, perm), got)
+        from ppo_logprobs.workers.models import hopper_grouped
+
+        in_place = hopper_grouped.gather_usable(tokens, weight, gg._tiles(dtype).block_m)
+        assert in_place == (k % hopper_grouped.DEPTH == 0)
+        assert torch.equal(run(tokens, perm), got if in_place else triton_kernel)
 
 
 @pytest.mark.gpu
@@ -135,10 +139,10 @@ def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
                                          moe_intermediate_size=96, intermediate_size=192, max_position_embeddings=4096)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
-    with torch.no_grad():  # (experts and routers far enough from their initial values to matter)
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # (experts far from their initial values; routers sure of their choices, so that
+        for name, p in model.named_parameters():  # rounding never swaps a token's experts against HF's)
             if p.dim() == 3 or "mlp.gate" in name:
-                p.normal_(0, 0.05)
+                p.normal_(0, 0.05 if p.dim() == 3 else 0.5)
     g = torch.Generator().manual_seed(7)
     sequences = [torch.randint(3, 500, (n,), generator=g) for n in (300, 7, 130)]
     with torch.no_grad():
