@@ -97,7 +97,7 @@ def compare(got: list, ref: list) -> dict:
     return dict(max_lp=lp, max_entropy=ent, sequences_differing=differ)
 
 
-def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str) -> dict:
+def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str, trainer_rows: int = 4096) -> dict:
     rng = np.random.default_rng(1)
     start = time.perf_counter()
     alone = [by_worker(worker, [s], budgets[0], np.array([0]))[0] for s in seqs]
@@ -107,7 +107,7 @@ def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str) -> dict
         t0 = time.perf_counter()
         got = by_worker(worker, seqs, budget, order)
         results[f"packed rows of {budget}, order {k}"] = dict(**compare(got, alone), seconds=time.perf_counter() - t0)
-    results["trainer forward with grad"] = compare(by_trainer(worker.model, seqs), alone)
+    results["trainer forward with grad"] = compare(by_trainer(worker.model, seqs, trainer_rows), alone)
     for case, r in results.items():
         if isinstance(r, dict):
             print(f"{label:>28} {case:>34} {r['max_lp']:10.3g} {r['max_entropy']:10.3g} "
@@ -309,6 +309,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=200)
     parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
     parser.add_argument("--probe", action="store_true", help="the GEMM and RMSNorm row-count probe only")
+    parser.add_argument("--trainer-rows", type=int, default=4096,
+                        help="tokens a trainer's micro-batch (with padding); the MoE shape on an 80 GB GPU: 2048")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # (by_other_process's second worker)
     args = parser.parse_args()
@@ -319,7 +321,8 @@ def main() -> None:
         parser.error("--pool loads the model in each worker: give a checkpoint")
     cuda = torch.cuda.is_available()
     out = dict(date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-               gpu=torch.cuda.get_device_name() if cuda else None)
+               gpu=torch.cuda.get_device_name() if cuda else None,
+               options={k: v for k, v in vars(args).items() if k == "trainer_rows" and v != 4096})
     if args.probe:
         probe("cuda", out)
     else:
@@ -350,7 +353,7 @@ def main() -> None:
                 fast(worker.model, backend)
             if not fused:
                 unfuse_body(worker.model)
-            modes[label] = study(worker, seqs, budgets, label)
+            modes[label] = study(worker, seqs, budgets, label, args.trainer_rows)
             modes[label]["results"]["shared prefixes (GRPO groups)"] = shared_study(worker.model, vocab, label, cuda)
         patch_model(worker.model, backend=backend)
         out["modes"] = {k: v["results"] for k, v in modes.items()}
