@@ -107,7 +107,12 @@ def study(worker: LogProbWorker, seqs: list, budgets: tuple, label: str, trainer
         t0 = time.perf_counter()
         got = by_worker(worker, seqs, budget, order)
         results[f"packed rows of {budget}, order {k}"] = dict(**compare(got, alone), seconds=time.perf_counter() - t0)
-    results["trainer forward with grad"] = compare(by_trainer(worker.model, seqs, trainer_rows), alone)
+    try:
+        results["trainer forward with grad"] = compare(by_trainer(worker.model, seqs, trainer_rows), alone)
+    except torch.OutOfMemoryError as e:  # (the MoE shape's longest sequence with grad on an 80 GB GPU)
+        results["trainer forward with grad"] = f"OutOfMemoryError: {str(e)[:80]}"
+        print(f"{label:>28} {'trainer forward with grad':>34} {results['trainer forward with grad']}", flush=True)
+        torch.cuda.empty_cache()
     for case, r in results.items():
         if isinstance(r, dict):
             print(f"{label:>28} {case:>34} {r['max_lp']:10.3g} {r['max_entropy']:10.3g} "
