@@ -343,6 +343,26 @@ _FUSION = {GATED: True, PLUS: True, QKV: False}
 
 
 @gluon.jit
+def _ring(x_desc, w_desc, out_desc, STAGES: gl.constexpr, READY: gl.constexpr):
+    """A program's shared memory: the ring of STAGES steps (x's two boxes of 64 rows, two blocks of weight rows),
+    each warpgroup's output buffer, and the ring's barriers (ready: READY arrivals and the TMA's bytes; empty: both
+    warpgroups)."""
+    ROWS: gl.constexpr = x_desc.block_type.shape[0]
+    DEPTH: gl.constexpr = x_desc.block_type.shape[1]
+    COLUMNS: gl.constexpr = w_desc.block_type.shape[0]
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, ROWS, DEPTH], x_desc.layout)
+    g_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, COLUMNS, DEPTH], w_desc.layout)
+    u_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, COLUMNS, DEPTH], w_desc.layout)
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, [2, ROWS, COLUMNS], out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=READY)
+        mbarrier.init(empty.index(s), count=2)
+    return x_smem, g_smem, u_smem, out_smem, ready, empty
+
+
+@gluon.jit
 def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_desc, p0, p1, p2, stride_p, biased,
                       qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols, m_tiles,
                       n_tiles, k_steps, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr,
@@ -351,18 +371,8 @@ def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_de
     w0.T. QKV: o0, o1, o2 = q, k, v of x and w0, w1, w2 (plus the biases p0, p1, p2 if biased), q's and k's heads
     RMS-normalised by the weights at qn_ptr and kn_ptr if normed, then rotated by cos and sin (row stride
     stride_cs). n0, n1: the rows of w0 and w1 (`_load_weight`); n_cols: the output's columns (QKV: all three's)."""
-    ROWS: gl.constexpr = x_desc.block_type.shape[0]
-    DEPTH: gl.constexpr = x_desc.block_type.shape[1]
     COLUMNS: gl.constexpr = w0_desc.block_type.shape[0]
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, ROWS, DEPTH], x_desc.layout)
-    g_smem = gl.allocate_shared_memory(w0_desc.dtype, [STAGES, COLUMNS, DEPTH], w0_desc.layout)
-    u_smem = gl.allocate_shared_memory(w0_desc.dtype, [STAGES, COLUMNS, DEPTH], w0_desc.layout)
-    out_smem = gl.allocate_shared_memory(o0_desc.dtype, [2, ROWS, COLUMNS], o0_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+    x_smem, g_smem, u_smem, out_smem, ready, empty = _ring(x_desc, w0_desc, o0_desc, STAGES, 1)
     common = (x_smem, g_smem, u_smem, ready, empty)
     sizes = (m_tiles, n_tiles, k_steps, GROUP)
     weights = (x_desc, w0_desc, w1_desc, w2_desc, n0, n1) + common

@@ -34,6 +34,7 @@ from .hopper_gated import (
     STAGES,
     _copyable,
     _descriptor,
+    _ring,
     _store,
     _tile,
     _tile_products,
@@ -202,19 +203,10 @@ def _grouped_kernel(x_desc, x_ptr, source_ptr, n_source, w_desc, out_desc, out_p
     """out = the schedule's tiles of x (GATHER: x[source]) times their expert's rows of w [experts * w_rows, K]:
     GATED, the middle of gate (an expert's first n_cols rows) and up (the next n_cols); else the product, n_cols
     columns. GATHER: gate/up only."""
-    ROWS: gl.constexpr = x_desc.block_type.shape[0]
-    DEPTH: gl.constexpr = x_desc.block_type.shape[1]
     COLUMNS: gl.constexpr = w_desc.block_type.shape[0]
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * STAGES, ROWS, DEPTH], x_desc.layout)
-    g_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, COLUMNS, DEPTH], w_desc.layout)
-    u_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, COLUMNS, DEPTH], w_desc.layout)
-    out_smem = gl.allocate_shared_memory(out_desc.dtype, [2, ROWS, COLUMNS], out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    GATHER_WARPS: gl.constexpr = 4  # (`_gather`'s layout)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + 32 * GATHER_WARPS if GATHER else 1)  # (+ each gathering thread)
-        mbarrier.init(empty.index(s), count=2)
+    GATHER_WARPS: gl.constexpr = 4  # (`_gather`'s layout; each of their threads arrives on a step's ready barrier)
+    x_smem, g_smem, u_smem, out_smem, ready, empty = _ring(x_desc, w_desc, out_desc, STAGES,
+                                                           1 + 32 * GATHER_WARPS if GATHER else 1)
     common = (x_smem, g_smem, u_smem, ready, empty)
     sizes = (m_tiles, n_tiles, k_steps, GROUP)
     schedule = (expert_ptr, row_ptr, end_ptr, n_experts)

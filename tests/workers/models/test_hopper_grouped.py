@@ -132,7 +132,8 @@ def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
     import transformers
 
     from ppo_logprobs.workers.models import hopper_grouped
-    from ppo_logprobs.workers.models.patch_model import patch_model
+
+    from .test_hopper_gated import assert_packed_is_alone_and_near_hf
 
     config = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
@@ -143,24 +144,8 @@ def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
         for name, p in model.named_parameters():  # rounding never swaps a token's experts against HF's)
             if p.dim() == 3 or "mlp.gate" in name:
                 p.normal_(0, 0.05 if p.dim() == 3 else 0.5)
-    g = torch.Generator().manual_seed(7)
-    sequences = [torch.randint(3, 500, (n,), generator=g) for n in (300, 7, 130)]
-    with torch.no_grad():
-        hf = [type(model).forward(model, input_ids=s[None].cuda()).logits.float().log_softmax(-1)[0, :-1]
-              .gather(-1, s[1:, None].cuda())[:, 0] for s in sequences]
-    patch_model(model, packed_attention="varlen")
     calls = []
     real = hopper_grouped.launch
     monkeypatch.setattr(hopper_grouped, "launch", lambda *a: calls.append(a[6]) or real(*a))
-    with torch.no_grad():
-        for order in ([0, 1, 2], [2, 1, 0]):
-            ids = torch.cat([sequences[i] for i in order])[None].cuda()
-            positions = torch.cat([torch.arange(len(sequences[i])) for i in order])[None].cuda()
-            out, at = model(input_ids=ids, position_ids=positions).log_probs[0], 0
-            for i in order:
-                n = len(sequences[i])
-                alone = model(input_ids=sequences[i][None].cuda()).log_probs[0]
-                assert torch.equal(out[at : at + n], alone), (order, i)
-                torch.testing.assert_close(alone[:-1].float(), hf[i], rtol=0, atol=5e-2)
-                at += n
+    assert_packed_is_alone_and_near_hf(model)
     assert calls == [True, False] * (1 + 3) * 2 * config.num_hidden_layers, calls
