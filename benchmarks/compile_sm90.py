@@ -8,7 +8,7 @@ cores: on an H100, the top-k statistics of stop 55 (1,465 instructions more than
   python benchmarks/compile_sm90.py      # the first pass, the combine at k = 20, 64, 128, 256 as launched, the
                                          # attention kernel at its tiling and two the sweep tries, then
                                          # hopper_attention.py's forms, with a window and without, and
-                                         # hopper_gated.py's GEMM
+                                         # hopper_gated.py's GEMM and hopper_grouped.py's
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ppo_logprobs.workers.head import triton_log_probs_forward as forward  # noqa: E402
 from ppo_logprobs.workers.models import causal_attention as attn  # noqa: E402
 from ppo_logprobs.workers.models import hopper_attention as ha  # noqa: E402
-from ppo_logprobs.workers.models import hopper_gated  # noqa: E402
+from ppo_logprobs.workers.models import hopper_gated, hopper_grouped  # noqa: E402
 
 I64 = {"labels_ptr", "pair_keys_ptr", "tile_key_ptr", "top_tiles_ptr", "top_ids_ptr", "candidates_ptr"}
 I32 = {"pair_count_ptr", "tile_second_ptr"}
@@ -134,3 +134,7 @@ if __name__ == "__main__":
                                (hopper_gated.QKV, True, "q, k, v with q/k norms and rotary")):
         said, instructions = _report(hopper_gated.compile_sm90(mode, normed))
         print(f"hopper_gated ({what}): {instructions} instructions; " + "; ".join(said), flush=True)
+    for gated, gather, what in ((True, True, "a mixture's gate/up, rows read in place"),
+                                (True, False, "gate/up of rows in expert order"), (False, False, "down")):
+        said, instructions = _report(hopper_grouped.compile_sm90(gated, gather))
+        print(f"hopper_grouped ({what}): {instructions} instructions; " + "; ".join(said), flush=True)
