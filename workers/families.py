@@ -24,8 +24,8 @@ class Family:
     # its softmax top-k router (`<prefix>TopKRouter`) in one kernel (models/router.py): (the attribute saying whether
     # it renormalises its top k, None: always; its weights' dtype: the logits' or fp32)
     router: tuple[str | None, Literal["logits", "float32"]] | None = None
-    # its decoder layer is HF's plain pre-norm one (norm, attention, add; norm, MLP, add): on Hopper the two adds run
-    # in the o and down projections' epilogues (models/hopper_gated.py)
+    # its decoder layer is HF's plain pre-norm one (norm, attention, add; norm, MLP or mixture, add): on Hopper the
+    # adds run in the o and down projections' epilogues (models/hopper_gated.py; a mixture's: the o projection's)
     plain_layer: bool = False
 
 
@@ -43,11 +43,11 @@ FAMILIES: dict[str, Family] = {
                           tensor_parallel=True),
     # mixtures of experts (shared experts stay HF's modules)
     "qwen3_moe": Family("Qwen3Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True,
-                        router=_QWEN_ROUTER),
+                        router=_QWEN_ROUTER, plain_layer=True),
     "qwen2_moe": Family("Qwen2Moe", norm=_LLAMA_NORM, window="module", tensor_parallel=True, experts=True,
-                        router=_QWEN_ROUTER),
+                        router=_QWEN_ROUTER, plain_layer=True),
     "mixtral": Family("Mixtral", norm=_LLAMA_NORM, window="config", tensor_parallel=True, experts=True,
-                      router=(None, "float32")),
+                      router=(None, "float32"), plain_layer=True),
     # (q/k norms span all heads: HF's attention, no TP)
     "olmoe": Family("Olmoe", norm=_LLAMA_NORM, experts=True, router=_QWEN_ROUTER),
 }

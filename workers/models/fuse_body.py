@@ -4,7 +4,8 @@ of packed sequences, the attention block's rotary embedding (rotary.py) with K/V
 kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads. On Hopper the MLP's gate and up
 are one GEMM with the middle in its epilogue; an attention block's q, k and v (heads of 128, no q/k norm) are one GEMM
 with the biases and the rotation in its epilogue; and in the families whose decoder layer is the plain pre-norm one
-the layer's two residual adds run in the o and down projections' epilogues (hopper_gated.py).
+the layer's residual adds run in the o and down projections' epilogues (hopper_gated.py; a mixture's layer: the
+attention block's).
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
@@ -96,12 +97,15 @@ def _mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None, *, 
 
 def _layer_forward(self: nn.Module, hidden_states: Tensor, *args, backend: Backend, **kwargs) -> Tensor:
     """HF's plain pre-norm decoder layer with its two adds handed to the fused attention block and MLP as residuals
-    (added in their last projections' epilogues), for packed rows on Triton; any other call is HF's own."""
+    (added in their last projections' epilogues; a mixture's block, or an MLP not ours, adds as HF adds), for packed
+    rows on Triton; any other call is HF's own."""
     if (args or kwargs.get("cu_seq_lens") is None or resolve_backend(backend, hidden_states.device) != "triton"
-            or not (_ours(self.self_attn, _attention_forward) and _ours(self.mlp, _mlp_forward))):
+            or not _ours(self.self_attn, _attention_forward)):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), residual=hidden_states, **kwargs)
-    return self.mlp(self.post_attention_layernorm(h), residual=h)
+    if _ours(self.mlp, _mlp_forward):
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
+    return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str | None, dtype: str, backend: Backend
