@@ -3,11 +3,12 @@ the SiLU middle, reading a token's row in place; down) as hopper_gated.py's pers
 every grid-th tile of the schedule (grouped_gemm.groups: each tile 128 rows of one expert, in grouped order); one
 warp loads, two warpgroups take 64 rows each, as there.
 
-The rows of a gate/up tile are tokens in expert order (x[source[r]]): the copy engine cannot gather them, so the
-loading warp copies them with cp.async, and marks a step ready once its copies have landed (a ring of STAGES, with
-STAGES - 2 steps of copies in flight: one more would wait on a buffer whose release waits on it). Down reads its
-rows (the middle, already in expert order) by TMA. A tile's rows past its expert's end (the next expert's, read with
-this expert's weights) are never stored: a tile that ends inside its 64 rows stores row by row under a mask, the rest
+The rows of a gate/up tile are tokens in expert order (x[source[r]]): the copy engine cannot gather them, so four
+loading warps copy them with cp.async (a tile's row offsets read once, then 16 bytes a thread a block of 16 rows each
+step), and each thread's copies arrive on the step's barrier when they land (with the weights' TMA bytes, what makes
+the step ready); the warpgroups fence the rows before their products read them. Down reads its rows (the middle,
+already in expert order) by TMA. A tile's rows past its expert's end (the next expert's, read with
+this expert's weights) are never stored: a warpgroup whose 64 rows cross the end stores under a mask, the rest
 by TMA. Tiles of rows routed to no expert store zeros.
 
 Rounded as grouped_gemm.py's kernel rounds (a product to the dtype; the middle as silu_mul.py), with the sum over K
@@ -67,7 +68,7 @@ def _row_offsets(source_ptr, n_source, k_dim, r0, R: gl.constexpr):
     tile stores), in the layout `_gather` copies by."""
     rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, _GATHER))
     src = gl.load(source_ptr + rows, mask=rows < n_source, other=0).to(gl.int32)
-    return gl.multiple_of(src * k_dim, 8)  # (`usable`: x of fewer than 2**31 elements, rows of whole 16 bytes)
+    return gl.multiple_of(src * k_dim, 8)  # (`gather_usable`: x of fewer than 2**31 elements, rows of 16 bytes)
 
 
 @gluon.jit
@@ -230,6 +231,8 @@ def launch(x: Tensor, weight: Tensor, expert: Tensor, row: Tensor, end: Tensor, 
     """out [rows, N] = grouped_gemm._launch's product (gated: the middle) for the schedule (expert, row, end) of
     tiles of 128 rows, as `usable` says. x [rows, K] in expert order, or with `source` (gated only) the rows
     x[source]."""
+    if source is not None and not gated:
+        raise ValueError("hopper_grouped reads rows in place (source) for gate/up only")
     k = x.shape[1]
     num_experts, w_rows, _ = weight.shape
     n = out.shape[1]
