@@ -4,8 +4,10 @@ split of the sum over `in`. Every output element is summed over the same K tiles
 group sizes, so a row's bits do not depend on how many rows its expert got (cuBLAS picks kernels by each group's
 rows; a per-expert loop of torch matmuls is not batch invariant on CUDA).
 
-The schedule (which expert and rows each program takes) is built on the device from the counts. The backward
-differentiates the torch formula (grouped_linear, expert by expert): gradients need not be bitwise.
+The schedule (which expert and rows each program takes) is built on the device from the counts. On Hopper with
+16-bit experts the same products over the same schedule run as a persistent GEMM on Hopper's instructions
+(hopper_grouped.py, with the same promise; `_hopper` says where). The backward differentiates the torch formula
+(grouped_linear, expert by expert): gradients need not be bitwise.
 """
 
 from __future__ import annotations
