@@ -162,13 +162,16 @@ def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_de
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
-        gate = g.to(dtype).to(gl.float32)
-        middle = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
-        tma.store_wait(0)  # (this warpgroup's last tile has left its buffer)
-        out_smem.store(middle.to(dtype))
-        fence_async_shared()
-        _tma_store(out_desc, [m * 2 * ROWS + half * ROWS, n * COLUMNS], out_smem)
+        _store(_middle(g, u, dtype), out_smem, out_desc, m * 2 * ROWS + half * ROWS, n * COLUMNS)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _middle(g, u, dtype: gl.constexpr):
+    """silu(gate) * up from the two products (fp32), rounded as silu_mul.py rounds: each product to the dtype, silu
+    in fp32 rounded to the dtype, times up in fp32 (the store rounds the result)."""
+    gate = g.to(dtype).to(gl.float32)
+    return (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
 
 
 @gluon.jit

@@ -35,6 +35,7 @@ from .hopper_gated import (
     STAGES,
     _copyable,
     _descriptor,
+    _middle,
     _ring,
     _store,
     _tile,
@@ -167,9 +168,7 @@ def _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
                                             k_steps, zero, GROUP, FENCE)
                 i += k_steps
             if GATED:
-                gate = g.to(dtype).to(gl.float32)
-                middle = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
-                _rows_store(middle, out_smem, out_desc, out_ptr, n_cols, r0, end, n * COLUMNS)
+                _rows_store(_middle(g, u, dtype), out_smem, out_desc, out_ptr, n_cols, r0, end, n * COLUMNS)
             else:
                 _rows_store(g, out_smem, out_desc, out_ptr, n_cols, r0, end, n * 2 * COLUMNS)
                 _rows_store(u, out_smem, out_desc, out_ptr, n_cols, r0, end, n * 2 * COLUMNS + COLUMNS)
