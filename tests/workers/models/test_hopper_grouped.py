@@ -5,10 +5,6 @@ other rows, and an MoE model taking it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,22 +21,14 @@ def test_the_kernel_builds_for_sm90a_within_a_programs_shared_memory():
     each fits a Hopper program's shared memory and keeps a step of products in flight (wait_group 2); down spills
     nothing, gate/up at most 16 bytes (Triton 3.9's build of the gathering warps spills 12; 3.6's, what the GPU
     host runs, none)."""
-    script = ("import sys; sys.path.insert(0, 'benchmarks')\n"
-              "from compile_sm90 import _report\n"
-              "from ppo_logprobs.workers.models import hopper_grouped as h\n"
-              "for gated in (True, False):\n"
-              "    c = h.compile_sm90(gated, gather=gated); said, _ = _report(c)\n"
-              "    print('shared', c.metadata.shared, 'waits2', 'wgmma.wait_group.sync.aligned 2;' in c.asm['ptx'],\n"
-              "          'spill', said[0].split(' bytes spill stores')[0].split()[-1])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=root)
-    builds = [line.split() for line in done.stdout.splitlines() if line.startswith("shared")]
-    assert len(builds) == 2, done.stderr[-2000:]
-    for _, shared, _, waits, _, _ in builds:
-        assert int(shared) <= 232448 and waits == "True", builds
-    assert int(builds[0][5]) <= 16 and builds[1][5] == "0", builds
+    from .test_hopper_gated import builds_for_sm90a
+
+    builds = builds_for_sm90a("from ppo_logprobs.workers.models import hopper_grouped as h\n"
+                              "builds = [h.compile_sm90(gated, gather=gated) for gated in (True, False)]\n")
+    assert len(builds) == 2, builds
+    for shared, waits, _ in builds:
+        assert shared <= 232448 and waits, builds
+    assert builds[0][2] <= 16 and builds[1][2] == 0, builds
 
 
 def _inputs(experts: int, n: int, k: int, counts: list[int], dtype: torch.dtype, seed: int = 0):
