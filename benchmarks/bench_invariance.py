@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--pool", action="store_true", help="also pools of 1 and 2 workers (Ray actors)")
     parser.add_argument("--probe", action="store_true", help="the GEMM and RMSNorm row-count probe only")
     parser.add_argument("--trainer-rows", type=int, default=4096,
-                        help="tokens a trainer's micro-batch (with padding); the MoE shape on an 80 GB GPU: 2048")
+                        help="tokens a trainer's micro-batch, padding counted (a longer sequence goes alone)")
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # (by_other_process's second worker)
     args = parser.parse_args()
