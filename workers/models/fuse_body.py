@@ -3,9 +3,9 @@
 of packed sequences, the attention block's rotary embedding (rotary.py) with K/V heads read in place by the varlen
 kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated heads. On Hopper the MLP's gate and up
 are one GEMM with the middle in its epilogue; an attention block's q, k and v (heads of 128) are one GEMM with the
-biases, the q/k norms (where the model has them) and the rotation in its epilogue; and in the families whose decoder layer is the plain pre-norm one
-the layer's residual adds run in the o and down projections' epilogues (hopper_gated.py; a mixture's layer: the
-attention block's).
+biases, the q/k norms (where the model has them) and the rotation in its epilogue; and in the families whose decoder
+layer is the plain pre-norm one the layer's residual adds run in the o and down projections' epilogues
+(hopper_gated.py; a mixture's layer: the attention block's).
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
