@@ -249,24 +249,31 @@ def _qkv_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, q_desc, k_d
         m, n = _tile(t, m_tiles, n_tiles, GROUP)
         r0 = m * 2 * ROWS + half * ROWS
         c0 = 2 * n * COLUMNS
-        rotated_rows = gl.where(c0 < n_q + n_k, n_rows, 0)
+        inputs = (cos_ptr, sin_ptr, stride_cs, n_rows, bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, r0, c0, zero)
         if not NORMED:  # (cos, sin and the bias read ahead; beside the norm's registers they would spill)
-            cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-            sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-            bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
+            cos, sin, bias = _head_inputs(*inputs)
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
         if NORMED:
-            cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-            sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, zero)
-            bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, zero)
+            cos, sin, bias = _head_inputs(*inputs)
         _head_store(g, bias, qn_ptr, kn_ptr, eps, NORMED, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0,
                     c0)
         bias = _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0 + COLUMNS, zero)
         _head_store(u, bias, qn_ptr, kn_ptr, eps, NORMED, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q, n_k, r0,
                     c0 + COLUMNS)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _head_inputs(cos_ptr, sin_ptr, stride_cs, n_rows, bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, r0, c0, like):
+    """Rows r0..'s cos and sin (zeros for a tile of v's heads, which is not rotated) and the bias of the head at
+    column c0 of [q; k; v], in like's layout."""
+    COLUMNS: gl.constexpr = like.shape[1]
+    rotated_rows = gl.where(c0 < n_q + n_k, n_rows, 0)
+    cos = _block(cos_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, like)
+    sin = _block(sin_ptr, stride_cs, rotated_rows, COLUMNS, r0, 0, like)
+    return cos, sin, _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c0, like)
 
 
 @gluon.jit
@@ -286,7 +293,7 @@ def _bias(bq_ptr, bk_ptr, bv_ptr, biased, n_q, n_k, n_cols, c, like):
 def _head_store(acc, bias, qn_ptr, kn_ptr, eps, NORMED: gl.constexpr, cos, sin, out_smem, q_desc, k_desc, v_desc, n_q,
                 n_k, r0, c):
     """Rows r0.. of the head at column c of [q; k; v]: the product plus its bias, rounded to the dtype (cuBLAS's
-    bias epilogue: one rounding; no bias adds zeros), then a q or k head RMS-normalised if `norm` says so
+    bias epilogue: one rounding; no bias adds zeros), then a q or k head RMS-normalised if NORMED
     (`_normed`) and rotated (`_rotated`); stored by TMA into q, k or v."""
     dtype: gl.constexpr = q_desc.dtype
     y = (acc + bias.to(gl.float32)).to(dtype).to(gl.float32)
