@@ -64,8 +64,10 @@ def tile_config(dtype: torch.dtype) -> TileConfig:
         return TileConfig(block_n=16, block_v=32, block_h=16, num_splits=3, group_r=2)
     if dtype == torch.float32:
         return TileConfig(block_n=64, block_v=128, block_h=32, num_splits=8, group_r=16, num_warps=8, num_stages=3)
-    # 16-bit: chosen by `benchmarks/bench_head.py --sweep` on an H200 (BENCHMARKS.md)
-    return TileConfig(block_n=128, block_v=256, block_h=64, num_splits=8, group_r=16, num_warps=8, num_stages=3)
+    # 16-bit: chosen by `benchmarks/bench_head.py --sweep` on an H200 and an H100 (BENCHMARKS.md). 66 splits: runs
+    # of 9 tiles at V = 151,936, so 128-token row blocks x splits make whole waves on 132 SMs (8 splits left the last
+    # wave half empty: 3% of the forward at 32,768 tokens)
+    return TileConfig(block_n=128, block_v=256, block_h=64, num_splits=66, group_r=16, num_warps=8, num_stages=3)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
