@@ -25,7 +25,8 @@ class Family:
     # it renormalises its top k, None: always; its weights' dtype: the logits' or fp32)
     router: tuple[str | None, Literal["logits", "float32"]] | None = None
     # its decoder layer is HF's plain pre-norm one (norm, attention, add; norm, MLP or mixture, add): on Hopper the
-    # adds run in the o and down projections' epilogues (models/hopper_gated.py; a mixture's: the o projection's)
+    # adds run in the o and down projections' epilogues (models/hopper_gated.py); a mixture's block of a router and
+    # experts alone (`<prefix>SparseMoeBlock`) adds in its experts' combine
     plain_layer: bool = False
 
 

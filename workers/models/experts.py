@@ -97,10 +97,11 @@ def sort_by_expert(top_k_index: Tensor, num_experts: int, backend: str = "torch"
     return Sorted(order, order // k, position, counts.index_add_(0, flat, torch.ones_like(flat)))
 
 
-def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *,
-                    backend: str = "auto") -> Tensor:
+def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                    residual: Tensor | None = None, *, backend: str = "auto") -> Tensor:
     """HF's `<prefix>Experts.forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`, sorted by
-    expert and combined in rank order (see the module's docstring)."""
+    expert and combined in rank order (see the module's docstring); plus `residual` [T, H] if given, as HF's layer
+    adds it (on the Triton backend in the combine kernel)."""
     from ..head import resolve_backend
 
     t, k = top_k_index.shape
@@ -113,7 +114,7 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
             gate, up = grouped_gemm(hidden_states[source], self.gate_up_proj, rows).chunk(2, dim=-1)
             middle = self.act_fn(gate) * up
         out = grouped_gemm(middle, self.down_proj, rows)  # [T * k, H], by expert
-        return combine(out, position.view(t, k), top_k_weights)
+        return combine(out, position.view(t, k), top_k_weights, residual)
     sizes = counts.tolist()
     gate, up = grouped_linear(hidden_states[source], self.gate_up_proj, sizes).chunk(2, dim=-1)
     out = grouped_linear(self.act_fn(gate) * up, self.down_proj, sizes)
@@ -122,4 +123,5 @@ def experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
     combined = per_rank[:, 0].float() * weights[:, :1]
     for r in range(1, k):  # (rank order, one rounding at the end)
         combined += per_rank[:, r].float() * weights[:, r : r + 1]
-    return combined.to(hidden_states.dtype)
+    combined = combined.to(hidden_states.dtype)
+    return combined if residual is None else residual + combined

@@ -5,7 +5,7 @@ kernel (varlen_attention.py) instead of HF's five rotary kernels and repeated he
 are one GEMM with the middle in its epilogue; an attention block's q, k and v (heads of 128) are one GEMM with the
 biases, the q/k norms (where the model has them) and the rotation in its epilogue; and in the families whose decoder
 layer is the plain pre-norm one the layer's residual adds run in the o and down projections' epilogues
-(hopper_gated.py; a mixture's layer: the attention block's).
+(hopper_gated.py; a mixture's layer: the attention block's there, the mixture's in its experts' combine).
 
 Each module instance gets its own forward (`types.MethodType`); which classes, and where their settings live, is
 data in the tables below. A family not listed keeps HF's forwards, which give the same results more slowly.
@@ -42,6 +42,7 @@ _EXPERTS = {f"{f.prefix}Experts" for f in FAMILIES.values() if f.experts}  # MoE
 _ROUTERS = {f"{f.prefix}TopKRouter": f.router for f in FAMILIES.values() if f.router}  # (see families.py)
 _MLPS = {f"{f.prefix}MLP" for f in FAMILIES.values()}  # (those with gate/up/down and SiLU: silu_mul.py)
 _LAYERS = {f"{f.prefix}DecoderLayer" for f in FAMILIES.values() if f.plain_layer}  # (adds in the projections)
+_BLOCKS = {f"{f.prefix}SparseMoeBlock" for f in FAMILIES.values() if f.experts and f.plain_layer}  # (in the combine)
 
 
 def _norm_forward(self: nn.Module, x: Tensor, *, style: str, eps: str, backend: Backend) -> Tensor:
@@ -96,16 +97,33 @@ def _mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None, *, 
 
 
 def _layer_forward(self: nn.Module, hidden_states: Tensor, *args, backend: Backend, **kwargs) -> Tensor:
-    """HF's plain pre-norm decoder layer with its two adds handed to the fused attention block and MLP as residuals
-    (added in their last projections' epilogues; a mixture's block, or an MLP not ours, adds as HF adds), for packed
-    rows on Triton; any other call is HF's own."""
+    """HF's plain pre-norm decoder layer with its two adds handed to the fused attention block and MLP or mixture as
+    residuals (added in the last projections' epilogues, or the experts' combine; a block not ours adds as HF adds),
+    for packed rows on Triton; any other call is HF's own."""
     if (args or kwargs.get("cu_seq_lens") is None or resolve_backend(backend, hidden_states.device) != "triton"
             or not _ours(self.self_attn, _attention_forward)):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), residual=hidden_states, **kwargs)
-    if _ours(self.mlp, _mlp_forward):
+    if _ours(self.mlp, _mlp_forward) or _ours(self.mlp, _block_forward):
         return self.mlp(self.post_attention_layernorm(h), residual=h)
     return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _block_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor | None = None, *, backend: Backend
+                   ) -> Tensor:
+    """HF's mixture block of a router and experts alone (`<prefix>SparseMoeBlock`: no shared expert, no jitter in
+    training), plus the residual if given: added in the experts' combine (grouped_gemm.combine) where the experts run
+    ours and nothing hooks them (a tensor-parallel model sums their output over its group first), else as HF adds."""
+    experts = self.experts
+    if (residual is None or set(dict(self.named_children())) != {"gate", "experts"}
+            or (self.training and getattr(self, "jitter_noise", 0) > 0) or not _ours(experts, experts_forward)
+            or experts._forward_hooks or experts._forward_pre_hooks
+            or resolve_backend(backend, hidden_states.device) != "triton"):
+        y = type(self).forward(self, hidden_states)
+        return y if residual is None else residual + y
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, index = self.gate(x)
+    return experts(x, index, weights, residual=residual.reshape(x.shape)).view(hidden_states.shape)
 
 
 def _router_forward(self: nn.Module, hidden_states: Tensor, *, renormalize: str | None, dtype: str, backend: Backend
@@ -197,15 +215,17 @@ def _fusable(model: nn.Module):
             forward = _mlp_forward
         elif name in _LAYERS:
             forward = _layer_forward
+        elif name in _BLOCKS:
+            forward = _block_forward
         else:
             continue
         yield module, forward
 
 
 def fuse_body(model: nn.Module, backend: Backend = "auto") -> None:
-    """Gives the body's RMSNorms, SiLU-gated MLPs, attention blocks and plain decoder layers (of the families in the
-    tables above) the forwards that run our kernels where `backend` resolves to Triton (CUDA by default), else their
-    torch formulas."""
+    """Gives the body's RMSNorms, SiLU-gated MLPs, attention blocks, mixtures and plain decoder layers (of the families
+    in the tables above) the forwards that run our kernels where `backend` resolves to Triton (CUDA by default), else
+    their torch formulas."""
     for module, forward in _fusable(model):
         module.forward = types.MethodType(partial(forward, backend=backend), module)
 

@@ -237,8 +237,8 @@ def _check(x: Tensor, weight: Tensor, counts: list[int] | Tensor | Groups, name:
 
 
 @triton.jit
-def _combine_kernel(out_ptr, position_ptr, weights_ptr, combined_ptr, T, H, K: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_kernel(out_ptr, position_ptr, weights_ptr, residual_ptr, combined_ptr, T, H, K: tl.constexpr,
+                    RESIDUAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = (tokens < T)[:, None] & (cols < H)[None, :]
@@ -248,20 +248,25 @@ def _combine_kernel(out_ptr, position_ptr, weights_ptr, combined_ptr, T, H, K: t
         row = tl.load(position_ptr + at, mask=tokens < T, other=0)
         w = tl.load(weights_ptr + at, mask=tokens < T, other=0.0).to(tl.float32)
         acc += tl.load(out_ptr + row[:, None] * H + cols[None, :], mask=ok, other=0.0).to(tl.float32) * w[:, None]
-    tl.store(combined_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :],
-             acc.to(combined_ptr.dtype.element_ty), mask=ok)
+    at = tokens.to(tl.int64)[:, None] * H + cols[None, :]
+    y = acc.to(combined_ptr.dtype.element_ty)
+    if RESIDUAL:  # (the sum rounded, then the residual added and rounded: HF's `residual + block(x)`)
+        y = (y.to(tl.float32) + tl.load(residual_ptr + at, mask=ok, other=0.0).to(tl.float32)).to(y.dtype)
+    tl.store(combined_ptr + at, y, mask=ok)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out: Tensor, position: Tensor, weights: Tensor) -> Tensor:
+    def forward(ctx, out: Tensor, position: Tensor, weights: Tensor, residual: Tensor | None) -> Tensor:
         t, k = position.shape
         h = out.shape[1]
         combined = out.new_empty(t, h)
         out, position, weights = out.contiguous(), position.contiguous(), weights.contiguous()
+        residual = None if residual is None else residual.contiguous()
         block_t, block_h = (16, 16) if interpreting() else (32, 128)
         _combine_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
-            out, position, weights, combined, t, h, K=k, BLOCK_T=block_t, BLOCK_H=block_h, enable_fp_fusion=True)
+            out, position, weights, combined if residual is None else residual, combined, t, h, K=k,
+            RESIDUAL=residual is not None, BLOCK_T=block_t, BLOCK_H=block_h, enable_fp_fusion=True)
         ctx.save_for_backward(out, position, weights)
         return combined
 
@@ -273,11 +278,16 @@ class _Combine(torch.autograd.Function):
         d_out = torch.zeros_like(out).index_copy_(0, position.reshape(-1),
                                                  (g[:, None] * weights.float()[..., None]).flatten(0, 1).to(out.dtype))
         d_w = (per_rank * g[:, None]).sum(-1).to(weights.dtype)
-        return d_out, None, d_w
+        return d_out, None, d_w, grad if ctx.needs_input_grad[3] else None
 
 
-def combine(out: Tensor, position: Tensor, weights: Tensor) -> Tensor:
+def combine(out: Tensor, position: Tensor, weights: Tensor, residual: Tensor | None = None) -> Tensor:
     """Each token's experts' outputs weighted and summed: token t's rank-r output is out[position[t, r]] (out
-    [rows, H] in expert order), weights [T, k]; the sum in fp32 in rank order, rounded once to out's dtype. One
-    kernel: no copy of the outputs in token order. Differentiable in out and weights."""
-    return _Combine.apply(out, position, weights)
+    [rows, H] in expert order), weights [T, k]; the sum in fp32 in rank order, rounded once to out's dtype, then
+    plus `residual` [T, H] of that dtype if given (added in fp32 and rounded: `residual + combine(...)`'s bits). One
+    kernel: no copy of the outputs in token order, no pass for the add. Differentiable in out, weights and
+    residual."""
+    if residual is not None and (residual.shape != (position.shape[0], out.shape[1]) or residual.dtype != out.dtype):
+        raise ValueError(f"residual must be [{position.shape[0]}, {out.shape[1]}] of {out.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    return _Combine.apply(out, position, weights, residual)

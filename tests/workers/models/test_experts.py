@@ -185,6 +185,29 @@ def test_the_combine_kernel_sums_a_tokens_experts_in_rank_order_once_rounded():
     torch.testing.assert_close(w32.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_the_combine_kernel_adds_a_residual_as_torch_adds_it_after():
+    """combine(..., residual): `residual + combine(...)`'s bits (the sum rounded, the add in fp32 rounded once; in
+    fp32 here, where the Triton interpreter's bf16 rounding truncates, and in bf16 on a GPU), the residual's gradient
+    the output's, and a residual of the wrong shape or dtype refused by name."""
+    from ppo_logprobs.workers.models.grouped_gemm import combine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    t, k, h = 13, 3, 37
+    position = torch.randperm(t * k, generator=g).view(t, k).to(device)
+    weights = torch.rand(t, k, generator=g).to(device)
+    for dtype in (torch.float32,) + ((torch.bfloat16,) if device == "cuda" else ()):
+        out = (torch.randn(t * k, h, generator=g) * 4).to(device, dtype)
+        residual = torch.randn(t, h, generator=g).to(device, dtype).requires_grad_()
+        got = combine(out, position, weights, residual)
+        assert got.dtype == dtype and torch.equal(got, residual + combine(out, position, weights)), dtype
+        grad = torch.randn(t, h, generator=g).to(device, dtype)
+        got.backward(grad)
+        assert torch.equal(residual.grad, grad)
+    with pytest.raises(ValueError, match=r"residual must be \[13, 37\] of torch.float32, got \(13, 36\)"):
+        combine(out.float(), position, weights, torch.zeros(t, h - 1, device=device))
+
+
 def test_the_gate_up_kernel_reads_gathered_rows_in_place():
     """grouped_gate_up(x, w, counts, source) is grouped_gate_up(x[source], w, counts), bit for bit, and gives x the
     gathered product's gradients (summed over a row read twice)."""

@@ -22,9 +22,11 @@ FUSED = {
     "phi3": {"RMSNorm"},  # fused qkv_proj and gate_up_proj: HF's attention and MLP
     "gemma2": {"RMSNorm"},  # attention logits capped: HF's attention
     "gemma3": {"RMSNorm", "Attention"},
-    "qwen3_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter", "DecoderLayer"},  # (plain layers: o's add)
-    "qwen2_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter", "MLP", "DecoderLayer"},  # (shared expert: an MLP)
-    "mixtral": {"RMSNorm", "Attention", "Experts", "TopKRouter", "DecoderLayer"},
+    # (plain layers: the adds in o's epilogue and the experts' combine)
+    "qwen3_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter", "SparseMoeBlock", "DecoderLayer"},
+    # (a shared expert: an MLP, and its block adds as HF adds)
+    "qwen2_moe": {"RMSNorm", "Attention", "Experts", "TopKRouter", "MLP", "SparseMoeBlock", "DecoderLayer"},
+    "mixtral": {"RMSNorm", "Attention", "Experts", "TopKRouter", "SparseMoeBlock", "DecoderLayer"},
     "olmoe": {"RMSNorm", "Experts", "TopKRouter"},  # q/k norms over all heads: HF's attention
 }
 # windows shorter than the longest packed sequence, from the config (Mistral, Mixtral) or the module (the others)
@@ -104,17 +106,26 @@ def test_fused_attention_runs_each_packed_sequence_as_hf_runs_it_alone(family):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "qwen2_moe", "mixtral"])
-def test_a_plain_layer_on_triton_adds_its_residuals_as_hf_does(family):
+def test_a_plain_layer_on_triton_adds_its_residuals_as_hf_does(family, monkeypatch):
     """The plain decoder layers' own forward (the Triton backend: the interpreter here), a dense MLP's add handed to
-    its down projection and a mixture's block added after it: each packed sequence as HF's model runs it alone."""
+    its down projection and a mixture's to its experts' combine (a block with a shared expert adds after it): each
+    packed sequence as HF's model runs it alone."""
+    from ppo_logprobs.workers.models import experts
+
+    added = []
+    real = experts.combine
+    monkeypatch.setattr(experts, "combine", lambda *a: added.append(a[3] is not None) or real(*a))
     hf = model_of(family)
     sequences, packed = packed_row()
     with torch.no_grad():
         want = torch.cat([hf.model(input_ids=seq[None]).last_hidden_state[0] for seq in sequences])
         fuse_body(hf, "triton")
         assert "DecoderLayer" in own_forwards(hf)
+        added.clear()
         got = hf.model(**packed).last_hidden_state[0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    layers = hf.config.num_hidden_layers
+    assert added == ([] if family == "qwen2" else [family != "qwen2_moe"] * layers), added
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

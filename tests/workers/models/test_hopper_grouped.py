@@ -115,12 +115,12 @@ def test_a_rows_bits_do_not_depend_on_its_experts_other_rows(gated):
 @pytest.mark.skipif(not HOPPER, reason=NEEDS)
 def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
     """A small Qwen3-MoE in bf16 whose experts the kernel runs, patched: each expert layer launches it twice (gate/up
-    reading rows in place, then down), and its o projection adds the attention's residual (hopper_gated); a
-    sequence's log-probs have the same bits packed at any offset and alone, and are within bf16's reach of the
-    unpatched model's."""
+    reading rows in place, then down), its o projection adds the attention's residual (hopper_gated) and its
+    experts' combine the mixture's; a sequence's log-probs have the same bits packed at any offset and alone, and are
+    within bf16's reach of the unpatched model's."""
     import transformers
 
-    from ppo_logprobs.workers.models import hopper_gated, hopper_grouped
+    from ppo_logprobs.workers.models import experts, hopper_gated, hopper_grouped
 
     from .test_hopper_gated import assert_packed_is_alone_and_near_hf
 
@@ -133,10 +133,12 @@ def test_a_moe_model_takes_the_kernel_and_keeps_a_sequences_bits(monkeypatch):
         for name, p in model.named_parameters():  # rounding never swaps a token's experts against HF's)
             if p.dim() == 3 or "mlp.gate" in name:
                 p.normal_(0, 0.05 if p.dim() == 3 else 0.5)
-    calls, projections = [], []
-    real, projected = hopper_grouped.launch, hopper_gated.projected
+    calls, projections, added = [], [], []
+    real, projected, combine = hopper_grouped.launch, hopper_gated.projected, experts.combine
     monkeypatch.setattr(hopper_grouped, "launch", lambda *a: calls.append(a[6]) or real(*a))
     monkeypatch.setattr(hopper_gated, "projected", lambda *a: projections.append(1) or projected(*a))
+    monkeypatch.setattr(experts, "combine", lambda *a: added.append(a[3] is not None) or combine(*a))
     assert_packed_is_alone_and_near_hf(model)
     assert calls == [True, False] * (1 + 3) * 2 * config.num_hidden_layers, calls
     assert len(projections) == (1 + 3) * 2 * config.num_hidden_layers  # (o with the attention's residual added)
+    assert added == [True] * (1 + 3) * 2 * config.num_hidden_layers, added  # (the mixture's, in the combine)
