@@ -115,7 +115,8 @@ def _block_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor | No
     training), plus the residual if given: added in the experts' combine (grouped_gemm.combine) where the experts run
     ours and nothing hooks them (a tensor-parallel model sums their output over its group first), else as HF adds."""
     experts = self.experts
-    if (residual is None or set(dict(self.named_children())) != {"gate", "experts"}
+    if (residual is None or residual.dtype != hidden_states.dtype
+            or set(dict(self.named_children())) != {"gate", "experts"}
             or (self.training and getattr(self, "jitter_noise", 0) > 0) or not _ours(experts, experts_forward)
             or experts._forward_hooks or experts._forward_pre_hooks
             or resolve_backend(backend, hidden_states.device) != "triton"):
