@@ -53,17 +53,25 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: 
         raise ValueError(
             f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
         )
-    if not check_values:
-        return
-    vocab = vocab or weight.shape[0]
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if check_values:
+        check_ids(labels, vocab or weight.shape[0], "labels", ignore_index)
+
+
+def check_ids(ids: Tensor, vocab: int, name: str, ignore_index: int | None = None, where: Tensor | None = None
+              ) -> None:
+    """Raises a ValueError naming the first of `ids` (where `where` is True, if given) outside [0, vocab) and not
+    `ignore_index`: its field, position and value. One wait on the device."""
+    bad = (ids < 0) | (ids >= vocab)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if where is not None:
+        bad &= where
     if bool(bad.any()):
         first = int(bad.flatten().nonzero()[0])
-        value = int(labels.flatten()[first])
-        raise ValueError(
-            f"labels{_position(first, labels.shape)} = {value} is outside the vocabulary [0, {vocab}) "
-            f"and is not ignore_index ({ignore_index})"
-        )
+        value = int(ids.flatten()[first])
+        ignored = "" if ignore_index is None else f" and is not ignore_index ({ignore_index})"
+        raise ValueError(f"{name}{_position(first, ids.shape)} = {value} is outside the vocabulary [0, {vocab})"
+                         + ignored)
 
 
 def _inverse_temperature(temperature: float | Tensor, labels: Tensor, check_values: bool = True) -> Tensor:

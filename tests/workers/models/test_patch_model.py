@@ -117,6 +117,31 @@ def test_refusals_name_the_reason():
         patch_model(tiny("gemma2"), packed_attention="varlen")
 
 
+def test_an_id_outside_the_vocabulary_is_named_before_the_body_runs(monkeypatch):
+    """input_ids the embedding does not have (and scored_labels the head does not) are refused by field, position
+    and value before any of the body runs (on CUDA the embedding's lookup would be a device-side assert); ids under
+    padding are not read; checked_inputs skips the check (the worker's requests are checked on the host)."""
+    model = patch_model(tiny("qwen2"))
+    ran = []
+    embed = model.get_input_embeddings()
+    real = type(embed).forward
+    monkeypatch.setattr(type(embed), "forward", lambda self, x: ran.append(1) or real(self, x))
+    for ids, value in (([[4, 2, 3, 7], [1, 97, 2, 2]], r"input_ids\[1, 1\] = 97"),
+                       ([[1, -3]], r"input_ids\[0, 1\] = -3")):
+        with pytest.raises(ValueError, match=value + r" is outside the vocabulary \[0, 97\)$"):
+            model(input_ids=torch.tensor(ids))
+    assert ran == []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+        with pytest.raises(IndexError):  # (not checked: the embedding's own error, as before)
+            model(input_ids=torch.tensor([[5, 6, 97]]), checked_inputs=True)
+    assert out.log_probs.shape == (1, 4) and ran
+    with pytest.raises(ValueError, match=r"scored_labels\[1\] = 97 is outside the vocabulary \[0, 97\) and is not "
+                                         r"ignore_index \(-100\)"):
+        model(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[0, 1, 2]]),
+              scored=torch.tensor([0, 1]), scored_labels=torch.tensor([6, 97]))
+
+
 def test_load_round_trips_through_save_pretrained(tmp_path):
     model = load_model("tiny", dtype=torch.float32, backend="torch")
     ids, mask = batch("right", vocab=model.config.vocab_size)
