@@ -170,15 +170,12 @@ def _forward_for_ppo(
     if pieces is not None and (input_ids.shape[0] != 1 or attention_mask is not None or scored_labels is None):
         raise ValueError("a row laid out in pieces (shared prefixes) is one row, with position_ids, scored and "
                          "scored_labels (a node's last position predicts a token for each child)")
-    head_checked = checked_inputs
-    if not checked_inputs:  # (before any kernel, while the device is idle: no wait mid-forward, and an id the
-        # embedding does not have is named here, not a device-side assert or an IndexError in its lookup)
+    if not checked_inputs:  # (before any kernel: an id the embedding does not have is named here, not an
+        # IndexError or a device-side assert in its lookup; the head checks labels and temperatures again)
         rows = self.get_input_embeddings().weight.shape[0]
         check_ids(input_ids, rows, "input_ids", where=None if attention_mask is None else attention_mask.bool())
-        vocab = self.get_output_embeddings().weight.shape[0]
         if scored_labels is not None:
-            check_ids(scored_labels, vocab, "scored_labels", _IGNORE)
-        head_checked = process_group is None and vocab >= rows  # (labels: input_ids' next tokens, or checked here)
+            check_ids(scored_labels, self.get_output_embeddings().weight.shape[0], "scored_labels", _IGNORE)
     segments = None if pieces is not None else packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
     if segments is not None and attention_mask is not None:
@@ -223,7 +220,7 @@ def _forward_for_ppo(
         token_ids = token_ids if wanted is None else token_ids[wanted]
     out = fused_log_probs(
         hidden, self.get_output_embeddings().weight, labels, temperature, ignore_index=_IGNORE, backend=backend,
-        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=not head_checked,
+        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=not checked_inputs,
         top_k=top_k, token_ids=token_ids,
     )
     fields = dict(zip(("log_probs", "entropy"), out, strict=False))
