@@ -107,16 +107,19 @@ def test_fused_attention_runs_each_packed_sequence_as_hf_runs_it_alone(family):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_a_plain_layer_on_triton_adds_its_residuals_as_hf_does(family, monkeypatch):
-    """The plain decoder layers' own forward (the Triton backend: the interpreter here), a dense MLP's add handed to
-    its down projection and a mixture's to its experts' combine (a block with a shared expert adds after it): each
-    packed sequence as HF's model runs it alone."""
+    """The plain decoder layers' own forward (the Triton backend: the interpreter here, the kernels on a GPU), a dense
+    MLP's add handed to its down projection and a mixture's to its experts' combine (a block with a shared expert
+    adds after it): each packed sequence as HF's model runs it alone."""
     from ppo_logprobs.workers.models import experts
 
     added = []
     real = experts.combine
     monkeypatch.setattr(experts, "combine", lambda *a: added.append(a[3] is not None) or real(*a))
-    hf = model_of(family)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = model_of(family).to(device)
     sequences, packed = packed_row()
+    sequences = [s.to(device) for s in sequences]
+    packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
     with torch.no_grad():
         want = torch.cat([hf.model(input_ids=seq[None]).last_hidden_state[0] for seq in sequences])
         fuse_body(hf, "triton")
