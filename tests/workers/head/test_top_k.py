@@ -3,6 +3,7 @@ float64 oracle: ids equal to a stable descending sort's (ties to the lower id), 
 log-probs are; odd V, k = 1 and k = V, ignored positions, per-token temperatures, softcap, bad arguments; the same
 bits for a token whatever else is in the call."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,10 @@ from ppo_logprobs.workers.head.fused_log_probs import MAX_TOP_K
 
 from .reference import assert_same_bits
 
-BACKENDS = ["torch", "triton"]
+# The Triton backend here is the interpreter's: these cases are cut to its tiling (vocabulary tiles of 32). On a GPU
+# host the compiled kernels take their own tiling's cases, the GPU-marked test at the end.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = ["torch"] + (["triton"] if INTERPRETED else [])
 TOL = 2e-6  # max |error| / (1 + max |logit|), as the plain log-probs
 
 
@@ -150,6 +154,7 @@ def test_rows_whose_top_k_crowds_one_tile_beside_rows_whose_does_not(backend):
         assert_same_bits(getattr(alone, name), getattr(block, name)[plain], backend == "triton")
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="cut to the interpreter's tiling")
 def test_a_long_top_k_call_runs_in_row_chunks_with_the_same_answers(monkeypatch):
     from ppo_logprobs.workers.head import triton_log_probs_forward as forward
     hidden, weight, labels = inputs(37, 24, 503, seed=10)
@@ -229,6 +234,8 @@ def test_shapes_follow_the_labels_and_no_tokens_give_empty_answers():
 ])
 def test_bad_arguments_are_named(kwargs, message):
     hidden, weight, labels = inputs(6, 24, 503, seed=8)
+    if kwargs.get("backend") == "triton" and not INTERPRETED:  # (the compiled kernels take CUDA tensors)
+        hidden, weight, labels = hidden.cuda(), weight.cuda(), labels.cuda()
     with pytest.raises(ValueError, match=message):
         fused_log_probs(hidden, weight, labels, **kwargs)
 
