@@ -59,8 +59,9 @@ def test_a_row_added_reaches_the_head_the_worker_the_answers_and_the_clients(bes
     torch.testing.assert_close(out.best_log_prob.double(), want, rtol=0, atol=1e-5)
     assert out.extras.keys() == {"top_log_probs", "top_ids", "tail_log_prob", "best_log_prob"}
     assert fused_log_probs(hidden, weight, labels, backend="torch")[1] is not None  # (not asked: a plain pair)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the compiled kernels take CUDA tensors)
     with pytest.raises(ValueError, match="'best_log_prob' has no Triton kernel"):
-        fused_log_probs(hidden, weight, labels, top_k=3, backend="triton")
+        fused_log_probs(hidden.to(device), weight.to(device), labels.to(device), top_k=3, backend="triton")
 
     model = load_model("tiny", backend="torch")
     ids = torch.tensor([[5, 17, 300, 42, 7]])

@@ -292,10 +292,11 @@ def test_cuda_varlen_rows_equal_alone_and_give_a_sequence_its_bits_at_any_offset
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
 def test_the_fused_body_kernels_give_the_model_its_numbers(family):
-    """Our RMSNorm, rotary and SiLU-gated MLP kernels (the Triton interpreter on the CPU) in place of HF's forwards,
-    in a packed row, against the unpatched model (fp32)."""
-    model = tiny(family, **(dict(sliding_window=4) if family in ("mistral", "gemma3") else {}))
-    ids, mask = batch("right")
+    """Our RMSNorm, rotary and SiLU-gated MLP kernels (the Triton interpreter on the CPU, compiled on a GPU) in place
+    of HF's forwards, in a packed row, against the unpatched model (fp32)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny(family, **(dict(sliding_window=4) if family in ("mistral", "gemma3") else {})).to(device)
+    ids, mask = (t.to(device) for t in batch("right"))
     ref_lp, ref_ent = reference(model, ids, mask)
     patch_model(model, backend="triton", packed_attention="varlen")
     fused = [m for m in model.modules() if "forward" in m.__dict__]
