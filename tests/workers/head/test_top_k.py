@@ -15,7 +15,7 @@ from ppo_logprobs.workers.head.fused_log_probs import MAX_TOP_K
 from .reference import assert_same_bits
 
 # The Triton backend here is the interpreter's: these cases are cut to its tiling (vocabulary tiles of 32). On a GPU
-# host the compiled kernels take their own tiling's cases, the GPU-marked test at the end.
+# host they skip; the compiled kernels' cases are the GPU-marked test at the end.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch"] + (["triton"] if INTERPRETED else [])
 TOL = 2e-6  # max |error| / (1 + max |logit|), as the plain log-probs
