@@ -3,7 +3,6 @@ float64 oracle: ids equal to a stable descending sort's (ties to the lower id), 
 log-probs are; odd V, k = 1 and k = V, ignored positions, per-token temperatures, softcap, bad arguments; the same
 bits for a token whatever else is in the call."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,12 +10,13 @@ import torch
 
 from ppo_logprobs.workers import fused_log_probs
 from ppo_logprobs.workers.head.fused_log_probs import MAX_TOP_K
+from ppo_logprobs.workers.head.triton_log_probs_forward import interpreting
 
 from .reference import assert_same_bits
 
 # The Triton backend here is the interpreter's: these cases are cut to its tiling (vocabulary tiles of 32). On a GPU
 # host they skip; the compiled kernels' cases are the GPU-marked test at the end.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = interpreting()
 BACKENDS = ["torch"] + (["triton"] if INTERPRETED else [])
 TOL = 2e-6  # max |error| / (1 + max |logit|), as the plain log-probs
 

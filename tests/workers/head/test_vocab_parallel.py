@@ -2,19 +2,18 @@
 differ), against the single-device head and a float64 oracle: values, gradients, ignore_index, per-token
 temperature, softcap, no entropy, batch invariance, the same bits on both ranks; top-k, tail and candidates."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from ppo_logprobs.workers import fused_log_probs
+from ppo_logprobs.workers.head.triton_log_probs_forward import interpreting
 from tests.helpers import free_port, ranks
 
 from .reference import assert_same_bits, reference_log_probs
 
 WORLD = 2
-BACKENDS = ["torch"] + (["triton"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+BACKENDS = ["torch"] + (["triton"] if interpreting() else [])
 OUT_TOL = 2e-6  # as test_fused_log_probs: max |error| / (1 + max |logit|)
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
