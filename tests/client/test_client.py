@@ -27,8 +27,11 @@ CLI = [sys.executable, "-m", "ppo_logprobs.client.cli"]
 
 @pytest.fixture(scope="module")
 def url():
-    settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test")
-    guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y", pool_name="client-test")  # same pool
+    # (one ingress replica each, as a 2-core host gets by default: /metrics is the answering replica's)
+    settings = Settings(models={"policy": "tiny"}, backend="torch", max_request_tokens=3000, pool_name="client-test",
+                        ingress_replicas=1)
+    guarded = Settings(models={"policy": "tiny"}, backend="torch", api_key="k3y", pool_name="client-test",
+                       ingress_replicas=1)  # (the same pool)
     reloadable = Settings(models={"policy": "tiny"}, backend="torch", pool_name="client-reloadable")
     with serving(3, {"client": settings, "guarded": guarded, "reloadable": reloadable}) as url:
         yield url

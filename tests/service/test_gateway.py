@@ -41,17 +41,18 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tokenizer_dir):
+    # one ingress replica each (a 2-core host's default; more cores give more): /metrics is the answering replica's
+    one = dict(ingress_replicas=1)
     main = Settings(models={"policy": "tiny", "reference": checkpoint[0]}, backend="torch", max_request_tokens=4000,
-                    pool_name="gw-main",
-                    max_tokens_per_batch=512)
+                    pool_name="gw-main", max_tokens_per_batch=512, **one)
     # big and slow differ only in the gateway's settings: their keepers attach to one pool (made by the first, whose
     # workers' steps are of 512 tokens); small has its own, since a test deletes that application, which shuts its
     # pool down
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, api_key="s3cret",
-                     pool_name="gw-small", ingress_replicas=1)  # (one replica: its /metrics shows its queue)
-    big = Settings(models={"policy": "tiny"}, backend="torch", max_tokens_per_batch=512, pool_name="gw-big")
+                     pool_name="gw-small", **one)
+    big = Settings(models={"policy": "tiny"}, backend="torch", max_tokens_per_batch=512, pool_name="gw-big", **one)
     slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big",
-                    max_tokens_per_batch=512, max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir)
+                    max_tokens_per_batch=512, max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir, **one)
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
 

@@ -311,7 +311,10 @@ def _triton_top_tiles_kernel(
             tl.store(pair_count_ptr + pair, take, mask=ok)
 
 
-@triton.jit
+## NB: one build for every N. Triton builds a kernel again for an integer argument divisible by 16 (and for 1), and
+# the other build laid the top-k's sums out otherwise across threads, fusing another multiply into an add: a row's
+# tail came out one ulp apart in a call cut into chunks of 128 rows (exact ties at k = 2 on an H100).
+@triton.jit(do_not_specialize=["N"])
 def _triton_combine_splits_kernel(
     part_max_ptr, part_sum_ptr, part_wsum_ptr, label_logit_ptr, labels_ptr,
     log_probs_ptr, entropy_ptr, lse_ptr, N, num_splits, ignore_index,

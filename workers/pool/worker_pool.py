@@ -202,12 +202,12 @@ class WorkerPool:
         **load_options,
     ) -> WorkerPool:
         """Starts num_workers actors in one placement group, and their WeightOwner. num_gpus_per_worker defaults to
-        1 when the cluster has GPUs and 0 (CPU actors) when it has none; a whole number N > 1 makes each worker N
-        actors of one GPU each, on one node (a placement group of its own), holding the model's tensor-parallel
-        parts (`tensor_parallel`, default N; on CPU clusters give it alone, e.g. 2, for gloo ranks). `resources`
-        adds custom Ray resources per worker (to pin the workers to node types that have them). With a name, actors
-        and placement groups are named and detached: they outlive this driver until `shutdown()`, and other jobs can
-        `connect(name)`.
+        1 when the cluster has GPUs and 0 when it has none (CPU actors: they compute on the CPU, also on a node with
+        GPUs, unless `device` says otherwise); a whole number N > 1 makes each worker N actors of one GPU each, on
+        one node (a placement group of its own), holding the model's tensor-parallel parts (`tensor_parallel`,
+        default N; on CPU clusters give it alone, e.g. 2, for gloo ranks). `resources` adds custom Ray resources per
+        worker (to pin the workers to node types that have them). With a name, actors and placement groups are named
+        and detached: they outlive this driver until `shutdown()`, and other jobs can `connect(name)`.
 
         `local_copy`: what a worker keeps on its node so that, restarted, it gets the current weights back without a
         live peer (weights/keep.py; each rank of a tensor-parallel worker keeps its parts). By default a pool of one
@@ -223,6 +223,8 @@ class WorkerPool:
         if size > 1 and (config := _config_of(model)) is not None:  # (the ranks check again when they load)
             check_shardable(config, size)
             num_gpus_per_worker = 1 if num_gpus_per_worker else 0  # per rank
+        if not num_gpus_per_worker:  # CPU actors compute on the CPU: Ray hides no GPU from an actor that asks for none
+            load_options.setdefault("device", "cpu")
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
         # one placement group packing the workers; with tensor parallelism one per worker, its ranks on one node

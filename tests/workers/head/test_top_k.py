@@ -15,7 +15,7 @@ from ppo_logprobs.workers.head.triton_log_probs_forward import interpreting
 from .reference import assert_same_bits
 
 # The Triton backend here is the interpreter's: these cases are cut to its tiling (vocabulary tiles of 32). On a GPU
-# host they skip; the compiled kernels' cases are the GPU-marked test at the end.
+# host they skip; the compiled kernels' cases are the two GPU-marked tests at the end.
 INTERPRETED = interpreting()
 BACKENDS = ["torch"] + (["triton"] if INTERPRETED else [])
 TOL = 2e-6  # max |error| / (1 + max |logit|), as the plain log-probs
@@ -266,3 +266,45 @@ def test_compiled_top_k_is_exact_invariant_and_recomputes_the_first_pass_bits(k,
     part = fused_log_probs(hidden[idx], weight, labels[idx], top_k=k, backend="triton")
     for name in ("top_ids", "top_log_probs", "tail_log_prob"):
         assert torch.equal(getattr(part, name), getattr(out, name)[idx])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [2, 64, 256])
+def test_compiled_top_k_on_exact_ties_with_candidates_and_in_row_chunks(k, monkeypatch):
+    """The interpreter's cases above on the GPU's own tiling (bf16, vocabulary tiles of 256, rows of 128). Integer
+    inputs make exact logits, so the ids must be float64's stable sort's exactly: ties go to the lower id within a
+    tile and across tiles (weight rows 5, 300, 301 and 777 are one row, in three tiles), and a zero hidden row ties
+    every logit (its top k is 0 .. k - 1). Candidate sets, shared and per position, ride along. A call cut into row
+    chunks (a workspace for one row block) has the whole call's bits. And k = V at V = 256 ranks every token."""
+    from ppo_logprobs.workers.head import triton_log_probs_forward as forward
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randint(-2, 3, (300, 64), generator=g).float()
+    weight = torch.randint(-2, 3, (1000, 64), generator=g).float()
+    weight[[300, 301, 777]] = weight[5].clone()
+    hidden[3] = 0.0
+    labels = torch.randint(0, 1000, (300,), generator=g)
+    labels[::7] = -100
+    per = torch.randint(0, 1000, (300, 5), generator=g)
+    keep = labels != -100
+    log_p, order, biggest = oracle(hidden, weight)
+    tol = TOL * (1 + biggest)
+    on_gpu = (hidden.cuda().bfloat16(), weight.cuda().bfloat16(), labels.cuda())
+    names = ("top_ids", "top_log_probs", "tail_log_prob", "candidate_log_probs", "log_probs", "entropy")
+    whole = fused_log_probs(*on_gpu, top_k=k, token_ids=per.cuda(), backend="triton")
+    got = SimpleNamespace(**{name: getattr(whole, name).cpu() for name in names})
+    assert (log_p.gather(-1, order[:, :k]).diff(dim=-1) == 0).any(), "the case has no ties among the top k"
+    check(got, log_p, order, k, keep, tol)  # (the ids exactly)
+    assert torch.equal(got.top_ids[3], torch.arange(k))
+    assert (got.candidate_log_probs[keep].double() - log_p.gather(-1, per)[keep]).abs().max() <= tol
+    assert (got.candidate_log_probs[~keep] == 0).all()
+    monkeypatch.setattr(forward, "TOP_K_WORKSPACE", 1)  # (one row block a chunk: 128 + 128 + 44 rows)
+    chunked = fused_log_probs(*on_gpu, top_k=k, token_ids=per.cuda(), backend="triton")
+    for name in names:
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    if k == MAX_TOP_K:
+        every = fused_log_probs(on_gpu[0], on_gpu[1][:k], on_gpu[2].remainder(k), top_k=k, backend="triton")
+        log_p, order, biggest = oracle(hidden, weight[:k])
+        check(SimpleNamespace(**{name: getattr(every, name).cpu() for name in names[:3]}), log_p, order, k,
+              torch.ones(300, dtype=torch.bool), TOL * (1 + biggest))
+        assert torch.isneginf(every.tail_log_prob).all()

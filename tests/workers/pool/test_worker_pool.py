@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import ray
+import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
 
@@ -45,6 +46,14 @@ def assert_matches(results, seqs, model, starts=None, temps=None, version=None):
         np.testing.assert_allclose(r.entropy, ent, rtol=0, atol=1e-5, err_msg=f"sequence {i}")
         if version is not None:
             assert r.weights_version == version
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_workers_placed_without_a_gpu_compute_on_the_cpu_of_a_gpu_host(pool):
+    """Ray hides no GPU from an actor that asks for none, so the pool tells its CPU actors where to compute (before:
+    both took the GPU unasked; two ranks of a tensor-parallel worker there failed in NCCL, "Duplicate GPU")."""
+    assert ray.get(pool.owner.devices.remote()) == ["cpu", "cpu"]
 
 
 def test_pool_matches_the_model_in_order_within_budget(pool, model):
