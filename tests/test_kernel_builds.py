@@ -1,0 +1,83 @@
+"""A kernel whose sizes change from call to call builds alike whatever those sizes are. Triton builds a kernel again
+for an integer argument divisible by 16, and a build that lays a sum out otherwise across threads, or fuses another
+multiply into an add, gives a row other bits in a batch of another size: the top-k combine did (one ulp of a tail in
+a call cut into chunks of 128 rows, BENCHMARKS.md, 2026-12-06). Each kernel below, built for sm_90a here (Triton's own
+ptxas, no GPU), either opts out of that for its batch-dependent arguments (`do_not_specialize`) or has the same fp32
+instructions and the same layouts with them divisible by 16 and not."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+
+# (module, kernel, the arguments that change with the batch, pointer and float types (int32 otherwise), constexprs,
+# warps, fp fusion as launched)
+KERNELS = [
+    ("head.triton_log_probs_forward", "_triton_combine_splits_kernel", ["N"], {"*": "*fp32", "labels_ptr": "*i64",
+     "pair_keys_ptr": "*i64", "tile_key_ptr": "*i64", "top_tiles_ptr": "*i64", "top_ids_ptr": "*i64",
+     "candidates_ptr": "*i64", "pair_count_ptr": "*i32"},
+     dict(COMPUTE_ENTROPY=True, TOP_K=32, CANDIDATES=True, TILES=16, BLOCK_V=256, BLOCK=16), 4, True),
+    ("head.triton_log_probs_forward", "_triton_top_tiles_kernel", ["programs"], {"*": "*fp32", "hidden": "*bf16",
+     "weight": "*bf16", "pair_ptr": "*i64", "tile_ptr": "*i64", "start_ptr": "*i64", "end_ptr": "*i64",
+     "top_tiles_ptr": "*i64", "pair_keys_ptr": "*i64", "pair_count_ptr": "*i32", "softcap": "fp32"},
+     dict(SOFTCAP=False, EVEN_H=True, DOT_PRECISION="tf32", TOP_K=64, EVERY=False, BLOCK_N=128, BLOCK_V=256,
+          BLOCK_H=64), 8, True),
+    ("models.rms_norm", "_rms_norm_kernel", ["n_rows"], {"*": "*bf16", "eps": "fp32"},
+     dict(GEMMA=False, BLOCK_H=2048, ROWS=2), 4, True),
+    ("models.rotary", "_rotary_kernel", ["n_rows"], {"*": "*bf16", "eps": "fp32"},
+     dict(BLOCK_D=64, ROWS=16, BF16=True, NORM=True, GEMMA=False), 4, False),
+    ("models.router", "_route_kernel", ["T"], {"*": "*bf16", "logits_ptr": "*fp32", "index_ptr": "*i64"},
+     dict(K=8, RENORM=True, BLOCK_T=64, BLOCK_E=128, BLOCK_K=8), 4, True),
+    ("models.grouped_gemm", "_combine_kernel", ["T"], {"*": "*bf16", "position_ptr": "*i64"},
+     dict(K=8, RESIDUAL=True, BLOCK_T=32, BLOCK_H=128), 4, True),
+    ("models.silu_mul", "_silu_mul_kernel", ["n"], {"*": "*bf16"}, dict(BLOCK=1024), 4, True),
+    ("models.causal_attention", "_attention_kernel", ["q_blocks", "total_q"], {"*": "*bf16", "cu_q": "*i32",
+     "cu_k": "*i32", "lse_ptr": "*fp32", "scale": "fp32"},
+     dict(D=128, BLOCK_M=128, BLOCK_N=128, BLOCK_D=128, WINDOW=False, DOT_PRECISION="tf32", FUSED=True, TMA=False),
+     8, True),
+]
+
+SCRIPT = r"""
+import importlib, json, re, sys
+from collections import Counter
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+def build(fn, sig, const, attrs, warps, fusion):
+    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=3, enable_fp_fusion=fusion))
+    arithmetic = Counter(re.findall(r"^\s*((?:fma|add|sub|mul|ex2|lg2|max|min|rsqrt|sqrt|div|rcp)\.[a-z0-9.]*f32)",
+                                    k.asm["ptx"], re.M))
+    return dict(arithmetic), sorted(set(re.findall(r"#ttg\.\w+<[^>]*>", k.asm["ttgir"])))
+
+for module, name, varying, types, const, warps, fusion in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module("ppo_logprobs.workers." + module), name)
+    opted_out = sorted(p.name for p in fn.params if p.do_not_specialize)
+    sig = {n: "constexpr" if n in const else types.get(n) or (types["*"] if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    loose = [n for n in varying if n not in opted_out]
+    builds = [build(fn, sig, const, aligned, warps, fusion)]
+    if loose:
+        sixteen = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in loose}
+        builds.append(build(fn, sig, const, {**aligned, **sixteen}, warps, fusion))
+    print(json.dumps(dict(kernel=name, loose=loose, arithmetic=builds[0][0], alike=builds[0] == builds[-1],
+                          other=builds[-1][0])), flush=True)
+"""
+
+
+@pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton without its NVIDIA backend")
+def test_batch_dependent_sizes_do_not_change_a_kernels_build():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(KERNELS)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["kernel"] for r in results] == [k[1] for k in KERNELS], done.stderr[-3000:]
+    for r in results:
+        assert r["arithmetic"], r  # (the reader found the kernel's fp32 instructions)
+        assert r["alike"], f"{r['kernel']}, {r['loose']} divisible by 16: {r['other']} against {r['arithmetic']}"
+    assert results[0]["loose"] == []  # (the top-k combine, whose build did differ, opts out of it)
