@@ -275,7 +275,7 @@ def test_compiled_top_k_on_exact_ties_with_candidates_and_in_row_chunks(k, monke
     """The interpreter's cases above on the GPU's own tiling (bf16, vocabulary tiles of 256, rows of 128). Integer
     inputs make exact logits, so the ids must be float64's stable sort's exactly: ties go to the lower id within a
     tile and across tiles (weight rows 5, 300, 301 and 777 are one row, in three tiles), and a zero hidden row ties
-    every logit (its top k is 0 .. k - 1). Candidate sets, shared and per position, ride along. A call cut into row
+    every logit (its top k is 0 .. k - 1). A candidate set per position rides along. A call cut into row
     chunks (a workspace for one row block) has the whole call's bits. And k = V at V = 256 ranks every token."""
     from ppo_logprobs.workers.head import triton_log_probs_forward as forward
     g = torch.Generator().manual_seed(12)
