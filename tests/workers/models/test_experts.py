@@ -165,12 +165,11 @@ def test_the_combine_kernel_sums_a_tokens_experts_in_rank_order_once_rounded():
     fp32 and rounded once, against float64; and its gradients those of the torch formula."""
     from ppo_logprobs.workers.models.grouped_gemm import combine
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(9)
     t, k, h = 13, 3, 37
-    out = torch.randn(t * k + 2, h, generator=g).to(device, torch.bfloat16)  # (2 rows nobody reads)
-    position = torch.randperm(t * k + 2, generator=g)[: t * k].view(t, k).to(device)
-    weights = torch.rand(t, k, generator=g).to(device)
+    out = torch.randn(t * k + 2, h, generator=g).to(DEVICE, torch.bfloat16)  # (2 rows nobody reads)
+    position = torch.randperm(t * k + 2, generator=g)[: t * k].view(t, k).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
     got = combine(out, position, weights)
     want = (out[position].double() * weights.double()[..., None]).sum(1)
     assert got.dtype == torch.bfloat16
@@ -191,21 +190,20 @@ def test_the_combine_kernel_adds_a_residual_as_torch_adds_it_after():
     the output's, and a residual of the wrong shape or dtype refused by name."""
     from ppo_logprobs.workers.models.grouped_gemm import combine
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(11)
     t, k, h = 13, 3, 37
-    position = torch.randperm(t * k, generator=g).view(t, k).to(device)
-    weights = torch.rand(t, k, generator=g).to(device)
-    for dtype in (torch.float32,) + ((torch.bfloat16,) if device == "cuda" else ()):
-        out = (torch.randn(t * k, h, generator=g) * 4).to(device, dtype)
-        residual = torch.randn(t, h, generator=g).to(device, dtype).requires_grad_()
+    position = torch.randperm(t * k, generator=g).view(t, k).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE)
+    for dtype in (torch.float32,) + ((torch.bfloat16,) if DEVICE == "cuda" else ()):
+        out = (torch.randn(t * k, h, generator=g) * 4).to(DEVICE, dtype)
+        residual = torch.randn(t, h, generator=g).to(DEVICE, dtype).requires_grad_()
         got = combine(out, position, weights, residual)
         assert got.dtype == dtype and torch.equal(got, residual + combine(out, position, weights)), dtype
-        grad = torch.randn(t, h, generator=g).to(device, dtype)
+        grad = torch.randn(t, h, generator=g).to(DEVICE, dtype)
         got.backward(grad)
         assert torch.equal(residual.grad, grad)
     with pytest.raises(ValueError, match=r"residual must be \[13, 37\] of torch.float32, got \(13, 36\)"):
-        combine(out.float(), position, weights, torch.zeros(t, h - 1, device=device))
+        combine(out.float(), position, weights, torch.zeros(t, h - 1, device=DEVICE))
 
 
 def test_the_gate_up_kernel_reads_gathered_rows_in_place():
@@ -213,11 +211,10 @@ def test_the_gate_up_kernel_reads_gathered_rows_in_place():
     gathered product's gradients (summed over a row read twice)."""
     from ppo_logprobs.workers.models.grouped_gemm import grouped_gate_up
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(10)
-    x = torch.randn(9, 24, generator=g).to(device)
-    gate_up = (torch.randn(3, 2 * 11, 24, generator=g) * 0.3).to(device)
-    source = torch.tensor([4, 0, 8, 4, 1, 2, 7, 3, 0, 5, 6], device=device)  # (rows 0 and 4 twice)
+    x = torch.randn(9, 24, generator=g).to(DEVICE)
+    gate_up = (torch.randn(3, 2 * 11, 24, generator=g) * 0.3).to(DEVICE)
+    source = torch.tensor([4, 0, 8, 4, 1, 2, 7, 3, 0, 5, 6], device=DEVICE)  # (rows 0 and 4 twice)
     counts = [4, 0, 5, 2]  # (the last 2: no expert)
     in_place = grouped_gate_up(x, gate_up, counts, source=source)
     assert torch.equal(in_place, grouped_gate_up(x[source], gate_up, counts))
@@ -238,11 +235,10 @@ def test_the_grouped_kernel_is_each_experts_product_and_a_rows_bits_ignore_the_g
 
     from ..head.reference import assert_same_bits
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(6)
-    weight = torch.randn(5, 19, 45, generator=g).to(device, dtype)
+    weight = torch.randn(5, 19, 45, generator=g).to(DEVICE, dtype)
     counts = [37, 0, 1, 20, 0, 3]
-    x = torch.randn(sum(counts), 45, generator=g).to(device, dtype)
+    x = torch.randn(sum(counts), 45, generator=g).to(DEVICE, dtype)
     out = grouped_gemm(x, weight, counts)
     lo = 0
     for e, n in enumerate(counts[:5]):
@@ -252,14 +248,13 @@ def test_the_grouped_kernel_is_each_experts_product_and_a_rows_bits_ignore_the_g
         lo += n
     assert (out[lo:] == 0).all()
     alone = grouped_gemm(x[5:6], weight, [1, 0, 0, 0, 0, 0])  # row 5 of expert 0, now its only row
-    assert_same_bits(alone[0].float(), out[5].float(), interpreted=device == "cpu")
+    assert_same_bits(alone[0].float(), out[5].float(), interpreted=DEVICE == "cpu")
 
 
 def test_experts_through_the_grouped_kernel_equal_hfs():
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = qwen3_moe(2).to(device)
+    model = qwen3_moe(2).to(DEVICE)
     block = model.model.layers[1].mlp
-    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(7)).to(device)
+    hidden = torch.randn(21, 32, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     with torch.no_grad():
         _, weights, index = block.gate(hidden)
         want = type(block.experts).forward(block.experts, hidden, index, weights)
@@ -274,15 +269,14 @@ def test_the_fused_gate_up_kernel_is_the_product_then_silu_mul(dtype):
     from ppo_logprobs.workers.models.grouped_gemm import grouped_gate_up, grouped_gemm
     from ppo_logprobs.workers.models.silu_mul import silu_mul
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(8)
-    gate_up = (torch.randn(4, 2 * 21, 33, generator=g) * 0.3).to(device, dtype)
+    gate_up = (torch.randn(4, 2 * 21, 33, generator=g) * 0.3).to(DEVICE, dtype)
     counts = [5, 0, 18, 2, 1]
-    x = torch.randn(sum(counts), 33, generator=g).to(device, dtype)
+    x = torch.randn(sum(counts), 33, generator=g).to(DEVICE, dtype)
     fused = grouped_gate_up(x, gate_up, counts)
     gate, up = grouped_gemm(x, gate_up, counts).chunk(2, dim=-1)
     want = silu_mul(gate.contiguous(), up.contiguous())
-    tol = dict(rtol=0, atol=0) if device == "cuda" or dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    tol = dict(rtol=0, atol=0) if DEVICE == "cuda" or dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fused[:-1], want[:-1], **tol)
     assert (fused[-1] == 0).all()  # (the row of no expert)
     x32, w32 = x.float().requires_grad_(), gate_up.float().requires_grad_()
