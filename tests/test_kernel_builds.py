@@ -1,9 +1,10 @@
 """A kernel whose sizes change from call to call builds alike whatever those sizes are. Triton builds a kernel again
-for an integer argument divisible by 16, and a build that lays a sum out otherwise across threads, or fuses another
-multiply into an add, gives a row other bits in a batch of another size: the top-k combine did (one ulp of a tail in
-a call cut into chunks of 128 rows, BENCHMARKS.md, 2026-12-06). Each kernel below, built for sm_90a here (Triton's own
-ptxas, no GPU), either opts out of that for its batch-dependent arguments (`do_not_specialize`) or has the same fp32
-instructions and the same layouts with them divisible by 16 and not."""
+for an integer argument divisible by 16 and for one equal to 1 (a constant then), and a build that lays a sum out
+otherwise across threads, or fuses another multiply into an add, gives a row other bits in a batch of another size: the
+top-k combine did (one ulp of a tail in a call cut into chunks of 128 rows, BENCHMARKS.md, 2026-12-06). Each kernel
+below, built for sm_90a here (Triton's own ptxas, no GPU), either opts out of that for its batch-dependent arguments
+(`do_not_specialize`) or has the same float instructions and the same layouts with them divisible by 16, equal to 1,
+and neither."""
 
 import json
 import os
@@ -12,6 +13,8 @@ import sys
 
 import pytest
 import triton
+
+from ppo_logprobs.workers.models.causal_attention import hopper_kernels
 
 # (module, kernel, the arguments that change with the batch, pointer and float types (int32 otherwise), constexprs,
 # warps, fp fusion as launched)
@@ -40,19 +43,31 @@ KERNELS = [
      8, True),
 ]
 
-SCRIPT = r"""
+READ = r"""
 import importlib, json, re, sys
 from collections import Counter
+
+def read(k):
+    '''A build's float arithmetic (PTX: fp32, bf16 or fp16 where a sum rounded to them runs so, a pair counted as two;
+    wgmma's products) and its layouts (TTGIR; Gluon's are #ttg. too).'''
+    arithmetic = Counter()
+    for op in re.findall(r"^\s*((?:fma|add|sub|mul|ex2|lg2|max|min|rsqrt|sqrt|div|rcp)\.[a-z0-9.]*(?:f32|f16x2|f16)"
+                         r"|wgmma\.mma_async\.[a-z0-9.]*)", k.asm["ptx"], re.M):
+        arithmetic[op.removesuffix("x2")] += 2 if op.endswith("x2") else 1
+    names = dict(re.findall(r"^(#\w+) = (#ttg\..*)$", k.asm["ttgir"], re.M))  # (a build numbers them its own way)
+    layouts = {re.sub(r"#\w+", lambda m: names.get(m[0], m[0]), x)
+               for x in re.findall(r"#ttg\.\w+<[^>]*>", k.asm["ttgir"])}
+    return dict(arithmetic), sorted(layouts)
+"""
+
+SCRIPT = READ + r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 def build(fn, sig, const, attrs, warps, fusion):
-    k = triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=3, enable_fp_fusion=fusion))
-    arithmetic = Counter(re.findall(r"^\s*((?:fma|add|sub|mul|ex2|lg2|max|min|rsqrt|sqrt|div|rcp)\.[a-z0-9.]*f32)",
-                                    k.asm["ptx"], re.M))
-    return dict(arithmetic), sorted(set(re.findall(r"#ttg\.\w+<[^>]*>", k.asm["ttgir"])))
+    return read(triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=warps, num_stages=3, enable_fp_fusion=fusion)))
 
 for module, name, varying, types, const, warps, fusion in json.loads(sys.argv[1]):
     fn = getattr(importlib.import_module("ppo_logprobs.workers." + module), name)
@@ -65,19 +80,65 @@ for module, name, varying, types, const, warps, fusion in json.loads(sys.argv[1]
     if loose:
         sixteen = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in loose}
         builds.append(build(fn, sig, const, {**aligned, **sixteen}, warps, fusion))
-    print(json.dumps(dict(kernel=name, loose=loose, arithmetic=builds[0][0], alike=builds[0] == builds[-1],
-                          other=builds[-1][0])), flush=True)
+        builds.append(build(fn, {**sig, **dict.fromkeys(loose, "constexpr")}, {**const, **dict.fromkeys(loose, 1)},
+                            aligned, warps, fusion))
+    print(json.dumps(dict(kernel=name, varying=loose, builds=builds)), flush=True)
 """
+
+
+# (module, kernel, the arguments that change with the batch, compile_sm90's arguments for each build workers launch)
+GLUON = [
+    ("hopper_gated", "_body_gemm_kernel", ["n_rows", "m_tiles"],  # (GATED, PLUS, QKV, QKV with q/k norms)
+     [dict(mode=0), dict(mode=1), dict(mode=2), dict(mode=2, normed=True)]),
+    ("hopper_grouped", "_grouped_kernel", ["n_source", "m_tiles"],  # (experts.py: gate/up, rows read in place; down)
+     [dict(gated=True, gather=True), dict(gated=False, gather=False)]),
+    ("hopper_attention", "_persistent_kernel", ["q_blocks", "per_head", "n_tiles", "total_q"],
+     [dict(form="persistent", window=False), dict(form="persistent", window=True)]),
+]
+
+GLUON_SCRIPT = READ + r"""
+for module, name, varying, args in json.loads(sys.argv[1]):
+    m = importlib.import_module("ppo_logprobs.workers.models." + module)
+    assert set(varying) <= set(getattr(m, name).arg_names), (name, varying)
+    builds = [read(m.compile_sm90(**args, divisible=sixteen, ones=ones))
+              for sixteen, ones in (((), ()), (tuple(varying), ()), ((), tuple(varying)))]
+    print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds)), flush=True)
+"""
+
+
+def built(script: str, kernels: list) -> list[dict]:
+    """What `script` prints of each of `kernels`, run in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(kernels)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["kernel"] for r in results] == [k[1] for k in kernels], done.stderr[-3000:]
+    return results
+
+
+def assert_alike(r: dict) -> None:
+    """The builds with the batch's sizes divisible by 16 and equal to 1 are the plain one's."""
+    plain, *others = r["builds"]
+    assert plain[0], r  # (the reader found the kernel's arithmetic)
+    name = f"{r['kernel']} {r['args']}" if "args" in r else r["kernel"]
+    for how, other in zip(("divisible by 16", "equal to 1"), others, strict=False):  # (none where it opts out)
+        assert other == plain, (f"{name}, {r['varying']} {how}: {other[0]} against {plain[0]}; layouts of one build "
+                                f"only: {sorted(set(plain[1]) ^ set(other[1]))}")
 
 
 @pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton without its NVIDIA backend")
 def test_batch_dependent_sizes_do_not_change_a_kernels_build():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(KERNELS)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["kernel"] for r in results] == [k[1] for k in KERNELS], done.stderr[-3000:]
+    results = built(SCRIPT, KERNELS)
     for r in results:
-        assert r["arithmetic"], r  # (the reader found the kernel's fp32 instructions)
-        assert r["alike"], f"{r['kernel']}, {r['loose']} divisible by 16: {r['other']} against {r['arithmetic']}"
-    assert results[0]["loose"] == []  # (the top-k combine, whose build did differ, opts out of it)
+        assert_alike(r)
+    assert results[0]["varying"] == []  # (the top-k combine, whose build did differ, opts out of it)
+
+
+@pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton without its NVIDIA backend")
+@pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
+def test_batch_dependent_sizes_do_not_change_a_gluon_kernels_build():
+    """The Gluon kernels (Hopper) in each mode workers launch, built by their module's compile_sm90: alike with the
+    batch's sizes divisible by 16, equal to 1 and neither (attention's total_q too, which compile_sm90 otherwise
+    takes as divisible)."""
+    for r in built(GLUON_SCRIPT, [(m, k, varying, args) for m, k, varying, modes in GLUON for args in modes]):
+        assert_alike(r)

@@ -294,19 +294,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     return out, lse
 
 
-def compile_sm90(form: str = "persistent", window: bool = False):
+def compile_sm90(form: str = "persistent", window: bool = False, divisible: tuple[str, ...] = ("total_q",),
+                 ones: tuple[str, ...] = ()):
     """The kernel of this form for bf16 heads built for sm_90a, here, with no GPU (Triton's compiled kernel: its PTX,
-    shared memory; benchmarks/compile_sm90.py prints ptxas's registers and spills)."""
+    shared memory; benchmarks/compile_sm90.py prints ptxas's registers and spills); `divisible` and `ones`: the
+    integer arguments besides the strides built as Triton's launcher builds a multiple of 16 (total_q, as launched)
+    and the value 1 (the batch's sizes, tests/test_kernel_builds.py)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = _persistent_kernel
     desc = f"tensordesc<bf16[{BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
-    const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form])
+    const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form], **dict.fromkeys(ones, 1))
     sig = {n: "constexpr" if n in const else desc if n.endswith("_desc") else "fp32" if n == "scale"
            else "*i32" if n.startswith("cu_") or n == "taken" else "*fp32" if n == "lse_ptr"
            else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n == "total_q"}
+               if n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n in divisible}
     return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=FORMS[form], enable_fp_fusion=True))
