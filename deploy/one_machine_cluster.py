@@ -20,9 +20,14 @@ def main() -> None:
     parser.add_argument("--cpus", type=int, default=1, help="CPU slots of each node")
     args = parser.parse_args()
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # (every listener on loopback: read when Ray is imported)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # (the token: ~/.ray/auth_token, made on first use)
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # (taken below, by sigwait)
+    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
     from ray.cluster_utils import Cluster
+
+    # the token (~/.ray/auth_token, or RAY_AUTH_TOKEN): ray.init makes it on a machine that has none, Cluster does not,
+    # and its head would then fail on its own first connection
+    ensure_token_if_auth_enabled()
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(gcs_server_port=args.port, num_cpus=args.cpus,
                                                                  resources={"head": 1}, include_dashboard=False))

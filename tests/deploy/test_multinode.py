@@ -96,7 +96,7 @@ def test_a_trainer_on_another_node_connects_with_the_clusters_address(cluster, s
     r = httpx.post(service.url + "/logprobs", json={"input_ids": seqs}, headers={"Accept": BINARY}, timeout=60)
     assert r.status_code == 200, r.text
     header, log_probs, _, offsets = decode_binary(r.content)
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR", "LANG")}
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH")}  # (packages)
     done = subprocess.run([sys.executable, "-c", TRAINER, cluster.address], input=json.dumps(seqs), env=env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -52,7 +52,7 @@ def refused_at_once(code: str, env: dict) -> bool:
 
 def test_serve_joins_a_two_node_cluster_on_loopback(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1",
+    env.update(RAY_AUTH_MODE="token", PYTHONUNBUFFERED="1", HOME=str(tmp_path),  # (a machine with no token yet)
                # HAProxy's metrics and statistics on ports of their own, not Ray's fixed 9101 and 8404
                RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()), RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()))
     haproxies = {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "haproxy"}
@@ -86,6 +86,7 @@ def test_serve_joins_a_two_node_cluster_on_loopback(tmp_path):
         assert "'gpu_node': 0.5" in asked.stdout, asked.stdout + asked.stderr[-2000:]  # the worker holds its share
         assert listeners_beyond_loopback(psutil.Process(nodes.pid)) == []
         assert listeners_beyond_loopback(psutil.Process(proc.pid)) == []
+        assert (tmp_path / ".ray/auth_token").stat().st_size > 0  # (made by the script, as ray.init makes it)
         assert refused_at_once(probe, {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}", "RAY_AUTH_TOKEN": "not-the-token"})
         assert "KeyError" not in log.read_text()
     finally:
