@@ -1,5 +1,6 @@
 """Recovery of the gateway from successive worker kills: SIGKILL the model's worker, then time until /readyz says
-ready again (a new process with its weights back) and until a request is answered right.
+ready again (a new process with its weights back) and until a request is answered right. The first start is timed
+too (to the first answer: the model loaded, its kernels compiled, its warm-up run).
 
   python benchmarks/bench_recovery.py --kills 10                  # CPU, the built-in tiny model
   python benchmarks/bench_recovery.py --model /ckpt --dtype bfloat16 --kills 10
@@ -11,12 +12,12 @@ import argparse
 import json
 import os
 import signal
+import socket
 import statistics
 import time
 
 import httpx
 import ray
-from bench_gateway import free_port  # the same directory
 from ray import serve
 
 from ppo_logprobs.service import Settings, build_app
@@ -30,14 +31,19 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start = time.perf_counter()
     settings = Settings(models={"policy": args.model}, backend="torch" if args.model == "tiny" else "auto",
                         **({"dtype": args.dtype} if args.dtype else {}))
     serve.run(build_app(settings), name="recovery", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     body = {"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8]] * 4}
     expected = httpx.post(url + "/logprobs", json=body, timeout=600).json()["results"]
+    first = time.perf_counter() - start
+    print(f"first start: answered after {first:.2f} s", flush=True)
     rows = []
     for _ in range(args.kills):
         pid = httpx.get(url + "/v1/health").json()["models"]["policy"][0]["pid"]
@@ -55,7 +61,7 @@ def main() -> None:
         rows.append(dict(ready_s=ready, answered_s=answered))
         print(f"kill {len(rows)}: ready again after {ready:.2f} s, answered right after {answered:.2f} s", flush=True)
     serve.shutdown()
-    out = dict(date=time.strftime("%Y-%m-%d"), model=args.model, kills=rows,
+    out = dict(date=time.strftime("%Y-%m-%d"), model=args.model, first_answer_s=first, kills=rows,
                median_ready_s=statistics.median(r["ready_s"] for r in rows),
                max_answered_s=max(r["answered_s"] for r in rows))
     print(json.dumps(out), flush=True)
