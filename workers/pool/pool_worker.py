@@ -50,6 +50,8 @@ class PoolWorker:
         from .log_prob_worker import LogProbWorker
         from .rank_group import GROUP_TIMEOUT_S, RankGroup
 
+        if not ray.get_gpu_ids():  # an actor given no GPU computes on the CPU (Ray hides no GPU from it)
+            options.setdefault("device", "cpu")
         restore = None
         with warnings.catch_warnings():  # (Ray's check reads a property Ray deprecated: 3 lines in every worker's log)
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -223,8 +223,6 @@ class WorkerPool:
         if size > 1 and (config := _config_of(model)) is not None:  # (the ranks check again when they load)
             check_shardable(config, size)
             num_gpus_per_worker = 1 if num_gpus_per_worker else 0  # per rank
-        if not num_gpus_per_worker:  # CPU actors compute on the CPU: Ray hides no GPU from an actor that asks for none
-            load_options.setdefault("device", "cpu")
         bundle = {"CPU": 1, **({"GPU": num_gpus_per_worker} if num_gpus_per_worker else {}), **(resources or {})}
         detached = dict(namespace=NAMESPACE, lifetime="detached") if name else {}
         # one placement group packing the workers; with tensor parallelism one per worker, its ranks on one node

@@ -51,8 +51,9 @@ def assert_matches(results, seqs, model, starts=None, temps=None, version=None):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_workers_placed_without_a_gpu_compute_on_the_cpu_of_a_gpu_host(pool):
-    """Ray hides no GPU from an actor that asks for none, so the pool tells its CPU actors where to compute (before:
-    both took the GPU unasked; two ranks of a tensor-parallel worker there failed in NCCL, "Duplicate GPU")."""
+    """Ray hides no GPU from an actor that asks for none, so an actor given none computes on the CPU (before: both
+    took the GPU unasked; two ranks of a tensor-parallel worker there failed in NCCL, "Duplicate GPU"; ranks made as
+    actors directly took it too, and test_tensor_parallel_pool's out-of-memory case ran there past 5 minutes)."""
     assert ray.get(pool.owner.devices.remote()) == ["cpu", "cpu"]
 
 
