@@ -200,6 +200,13 @@ def serve_until_stopped(settings: Settings) -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
+        n = settings.workers_per_model
+        # (a GPU worker's start is quiet for most of a minute: BENCHMARKS.md, "Recovery on a GPU")
+        log.info("starting %s on %d worker%s each: a worker loads its model%s, then this says where it is ready",
+                 ", ".join(f"{name} ({path})" for name, path in settings.models.items()), n, "s" * (n > 1),
+                 ", compiles its kernels for the GPU and warms them up (about a minute the first time, more for a "
+                 "large model; Triton's cache keeps the kernels for the next)" if ray.cluster_resources().get("GPU")
+                 else "")
         try:
             serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
         except RuntimeError:  # it failed to deploy: its reason in one line, after all Ray has to say (its log)

@@ -246,6 +246,15 @@ def test_every_listener_is_on_loopback(served):
     assert mode != "haproxy" or any("haproxy" in n.split()[0] for n in listeners), listeners
 
 
+def test_the_log_says_what_starts_then_where_it_is_ready(served):
+    url, _, log = served
+    lines = log.read_text().splitlines()
+    starting = next(i for i, line in enumerate(lines) if "ppo_logprobs.service starting " in line)
+    assert lines[starting].endswith("starting policy (tiny) on 1 worker each: a worker loads its model, then this "
+                                    "says where it is ready"), lines[starting]  # (no GPU here)
+    assert any(f"ready on {url}" in line for line in lines[starting + 1:])
+
+
 def test_stopping_leaves_nothing_behind(served):
     """SIGTERM (what the fixture's end sends; here first): the service exits, with its HAProxy, and the folder of
     HAProxy's configuration and sockets is removed."""
