@@ -50,7 +50,7 @@ def receive_raw(worker, group: str, nbytes: int, reps: int) -> None:
 
 def broadcast_raw(trainer, nbytes: int, reps: int) -> float:
     """Runs in the trainer's process: the same bytes as one flat buffer over the sender's group."""
-    device = trainer.sender.device
+    device = trainer.sender.transport.device
     buffer = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     return median_seconds(lambda: (trainer.sender.transport.group.broadcast(buffer, 0).wait(), sync()), reps)
 
