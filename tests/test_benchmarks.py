@@ -1,12 +1,19 @@
-"""The benchmark scripts, read, not run (they want a GPU and minutes): every name one imports from a neighbour
-(bench_model) or from this project (ppo_logprobs.workers...) exists, so that a helper moved or renamed is found here
-and not on a GPU host (bench_recovery.py imported free_port from bench_gateway.py for a while after it had gone)."""
+"""The benchmark scripts, which want a GPU and minutes, kept runnable between GPU calls: every name one imports from a
+neighbour (bench_model) or from this project (ppo_logprobs.workers...) exists, so that a helper moved or renamed is
+found here and not on a GPU host (bench_recovery.py imported free_port from bench_gateway.py for a while after it had
+gone); and the forward benchmarks' CPU dry runs run. (The Ray ones' dry runs start clusters, a minute or more each:
+bench_weights.py read a sender attribute that had gone, found by running it by hand.)"""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +62,15 @@ def test_the_benchmarks_import_what_exists(tmp_path):
     assert missing_imports([tmp_path / "bench_a.py"]) == ["bench_a.py:1: bench_b.gone",
                                                           "bench_a.py:3: ppo_logprobs.workers.head.nothing"]
     assert missing_imports(sorted((ROOT / "benchmarks").glob("*.py"))) == []
+
+
+@pytest.mark.parametrize("command", [["bench_model.py", "--tiny"], ["bench_moe.py", "--tiny"], ["bench_invariance.py"],
+                                     ["bench_prefix.py", "--tiny"], ["bench_mlp.py", "--tiny"]], ids=lambda c: c[0])
+def test_a_forward_benchmarks_cpu_dry_run_runs_and_writes_its_results(command, tmp_path):
+    """The dry runs of the benchmarks behind issue 41's figures (tiny configurations, every path they time): as a
+    reader runs them before a GPU call, each to its JSON."""
+    out = tmp_path / "out.json"
+    done = subprocess.run([sys.executable, *command, "--out", str(out)], cwd=ROOT / "benchmarks", capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text())
