@@ -1,6 +1,7 @@
 """Recovery of the gateway from successive worker kills: SIGKILL the model's worker, then time until /readyz says
 ready again (a new process with its weights back) and until a request is answered right. The first start is timed
-too (to the first answer: the model loaded, its kernels compiled, its warm-up run).
+too, from the application's deployment (Ray and Serve already up) to the first answer: the worker started, its model
+loaded, its kernels compiled and warmed up.
 
   python benchmarks/bench_recovery.py --kills 10                  # CPU, the built-in tiny model
   python benchmarks/bench_recovery.py --model /ckpt --dtype bfloat16 --kills 10
