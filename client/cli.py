@@ -21,6 +21,23 @@ def _write(stream, text: str) -> None:
     stream.flush()
 
 
+class _Progress:
+    """A counter on stderr: redrawn in place on a terminal; elsewhere (a log file, a pipe) a line of its own for the
+    first and the last count and at most one every `every` seconds between (not one line of every count joined)."""
+
+    def __init__(self, every: float = 10.0) -> None:
+        self.tty, self.every, self.shown = sys.stderr.isatty(), every, None
+
+    def __call__(self, text: str, last: bool = False) -> None:
+        if self.tty or last or self.shown is None or time.monotonic() - self.shown >= self.every:
+            _write(sys.stderr, "\r" + text if self.tty else text + "\n")
+            self.shown = time.monotonic()
+
+    def end(self) -> str:
+        """What ends the counter's line before other text: a newline on a terminal once it drew, else nothing."""
+        return "\n" if self.tty and self.shown is not None else ""
+
+
 def _completed_lines(path: str) -> int:
     """Lines already written to `path`; a partial last line (a run killed mid-write) is cut off."""
     if not os.path.exists(path):
@@ -120,7 +137,7 @@ def score(args: argparse.Namespace) -> None:
             raise SystemExit(f"{args.url}: {e.detail}") from None
         _check(rows[done:], args.input, info.vocab_size, info.max_length, args.temperature)
         total_tokens = sum(len(r["input_ids"]) for r in rows[done:])
-        tokens, start = 0, time.perf_counter()
+        tokens, start, progress = 0, time.perf_counter(), _Progress()
         with open(args.output, "a") as out:
             for lo in range(done, len(rows), args.batch_sequences):
                 batch = rows[lo : lo + args.batch_sequences]
@@ -130,7 +147,8 @@ def score(args: argparse.Namespace) -> None:
                                            return_entropy=not args.no_entropy, top_k=args.top_k)
                 except LogProbError as e:
                     lines = f"{batch[0]['line']}-{batch[-1]['line']}"
-                    raise SystemExit(f"\n{args.input}:{lines}: the service refused these lines: {e}") from None
+                    raise SystemExit(f"{progress.end()}{args.input}:{lines}: the service refused these lines: {e}"
+                                     ) from None
                 for i, r in enumerate(results, lo):
                     line = {"index": i, "log_probs": r.log_probs.tolist(), "weights_version": r.weights_version}
                     if r.entropy is not None:
@@ -141,9 +159,9 @@ def score(args: argparse.Namespace) -> None:
                 out.flush()
                 tokens += sum(len(r["input_ids"]) for r in batch)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
-                _write(sys.stderr, f"\r{lo + len(batch)}/{len(rows)} sequences, {tokens}/{total_tokens} tokens, "
-                                   f"{rate:,.0f} tokens/s")
-    _write(sys.stderr, f"\nwrote {args.output} ({len(rows) - done} new lines, {done} kept from before)\n")
+                progress(f"{lo + len(batch)}/{len(rows)} sequences, {tokens}/{total_tokens} tokens, "
+                         f"{rate:,.0f} tokens/s", last=lo + len(batch) == len(rows))
+    _write(sys.stderr, f"{progress.end()}wrote {args.output} ({len(rows) - done} new lines, {done} kept from before)\n")
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -164,7 +182,7 @@ def bench(args: argparse.Namespace) -> None:
                 async with sem:
                     await client.score(r, model=info.name)
                 done += 1
-                _write(sys.stderr, f"\r{done}/{args.requests} requests")
+                progress(f"{done}/{args.requests} requests", last=done == args.requests)
 
             start = time.perf_counter()
             await asyncio.gather(*(one(r) for r in requests))
@@ -176,11 +194,12 @@ def bench(args: argparse.Namespace) -> None:
 
     if args.min_len > args.max_len:
         raise SystemExit(f"--min-len {args.min_len} is above --max-len {args.max_len}")
+    progress = _Progress()
     try:
         figures = asyncio.run(run())
     except LogProbError as e:
-        raise SystemExit(f"{args.url}: {e.detail}") from None
-    _write(sys.stderr, "\n")
+        raise SystemExit(f"{progress.end()}{args.url}: {e.detail}") from None
+    _write(sys.stderr, progress.end())
     _write(sys.stdout, json.dumps(figures) + "\n")
 
 

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .config import Settings
 from .edge import refusal, route_of
-from .errors import to_response
+from .errors import AnyHTTPException, to_response
 from .handover import Handover
 from .keeper import PoolKeeper
 from .loopback import keep_replica_grpc_on_loopback
@@ -219,10 +219,10 @@ def make_fastapi() -> FastAPI:
     )
     app.include_router(router)
 
-    @app.exception_handler(HTTPException)
+    @app.exception_handler(AnyHTTPException)
     @app.exception_handler(RequestValidationError)
     async def mapped(request: Request, exc: Exception):
-        return to_response(exc)  # errors FastAPI raises itself (a dependency, a body it parses)
+        return to_response(exc)  # errors FastAPI raises itself (a dependency, a body it parses, a route not found)
 
     app.add_middleware(_Edge)
     return app

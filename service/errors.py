@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from ray.exceptions import ActorUnavailableError, RayActorError
+from starlette.exceptions import HTTPException as AnyHTTPException  # (FastAPI's and the router's own 404 and 405)
 
 from ppo_logprobs.workers.errors import Overloaded, ServiceError, Transient, cause, clip
 
@@ -39,14 +40,20 @@ def _validation_detail(errors: list[dict]) -> str:
     # where a value fails one of our own checks (a float64's range), that is the error; the union members it was
     # also tried as only repeat it
     errors = [e for e in errors if e["type"] == "value_error"] or errors
+    # the same error at several positions (a flat list where sequences were asked for) is said once, with a count
+    alike: dict[tuple, list[dict]] = {}
+    for err in errors:
+        loc = [x for x in err["loc"] if x != "body" and not _union_tag(x)]
+        err = dict(err, where="".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip("."))
+        alike.setdefault((err["type"], err["msg"], tuple(x for x in loc if not isinstance(x, int))), []).append(err)
     parts = []
-    for err in errors[:5]:
+    for err, *more in list(alike.values())[:5]:
         if err["type"] == "json_invalid":
             parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')})")
             continue
-        loc = ".".join(str(x) for x in err["loc"] if x != "body" and not _union_tag(x))
         value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
-        parts.append(f"{loc or 'body'}: {err['msg'].removeprefix('Value error, ')}{value}")
+        also = f", and {len(more)} more like it" if more else ""
+        parts.append(f"{err['where'] or 'body'}: {err['msg'].removeprefix('Value error, ')}{value}{also}")
     return "; ".join(dict.fromkeys(parts))
 
 
@@ -73,7 +80,7 @@ def _answer(detail: str, status: int, headers: dict | None = None) -> JSONRespon
 def _answer_of(exc: BaseException) -> tuple[str, int, dict | None]:
     """(detail, status, headers) of the answer to `exc`; an unexpected error is logged under the id it names."""
     exc = cause(exc)
-    if isinstance(exc, HTTPException):
+    if isinstance(exc, AnyHTTPException):
         return exc.detail, exc.status_code, exc.headers
     if isinstance(exc, (RequestValidationError, ValidationError)):
         return one_line(_validation_detail(exc.errors()), 1000), 422, None

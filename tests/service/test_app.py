@@ -233,6 +233,13 @@ def test_the_app_counts_its_answers_and_maps_the_errors_fastapi_raises_itself():
     r = client.post("/v1/models/policy/reload", json={"path": 5}, headers={"Authorization": "Bearer s3cret"})
     assert r.status_code == 422 and r.json()["detail"] == "path: Input should be a valid string (got 5)"
     assert r.json()["error"] == {"message": r.json()["detail"], "type": "invalid_request_error", "code": 422}
+    # the router's own refusals (Starlette's) in the same body: a GET of /logprobs, a path that is none
+    key = {"Authorization": "Bearer s3cret"}
+    r = client.get("/logprobs", headers=key)
+    assert (r.status_code, r.json(), r.headers["allow"]) == (405, {"detail": "Method Not Allowed", "error": {
+        "message": "Method Not Allowed", "type": "invalid_request_error", "code": 405}}, "POST")
+    r = client.get("/v2/logprobs", headers=key)
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found_error")
     got = exported(gw.metrics)
     assert {status: got[f'ppo_logprobs_requests_total{{replica="replica-a",status="{status}"}}']
             for status in ("200", "401", "422")} == {"200": 1, "401": 1, "422": 1}

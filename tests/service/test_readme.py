@@ -43,9 +43,12 @@ def run(argv, cwd, **kw):
 def test_the_quick_start_runs_as_written(url, tmp_path):
     blocks = quick_start()
     assert [lang for lang, _ in blocks] == ["", "python", "python", ""]
-    curl = blocks[0][1].split("\n->")[0].replace("http://127.0.0.1:8000", url)
-    answer = json.loads(run(["bash", "-c", curl], tmp_path))
+    curl, shown = blocks[0][1].split("\n->")
+    answer = json.loads(run(["bash", "-c", curl.replace("http://127.0.0.1:8000", url)], tmp_path))
     assert [len(r["log_probs"]) for r in answer["results"]] == [2, 2]
+    # the answer as the README shows it: its fields in their order, the usage whole
+    assert [key for key in re.findall(r'"(\w+)":', shown) if key in answer] == list(answer), shown
+    assert json.loads(re.search(r'"usage": (\{.*?\})', shown)[1]) == answer["usage"], answer["usage"]
     for _, code in blocks[1:3]:
         printed = run([sys.executable, "-c", code.replace("http://127.0.0.1:8000", url)], tmp_path)
         assert "[" in printed  # each block prints its arrays
