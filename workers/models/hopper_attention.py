@@ -15,7 +15,8 @@ The kernel is persistent: one program per SM takes tiles from a counter, heavies
 (`_order`). Its loader warp takes each, skips those past their segment's end, and posts the others to both halves, so
 that the next tile's first blocks load while this one's last run, and a half reads its next queries while its last P
 V runs. Each tile is computed alone, whichever program takes it: the same bits. (One program per tile, and an 8-warp
-form overlapping its own softmax with P V, ran slower: BENCHMARKS.md.)
+form overlapping its own softmax with P V, ran slower: BENCHMARKS.md.) A half's output goes out through its queries'
+buffer by TMA (`_store`), which the next tile's queries wait for.
 
 Hopper only (wgmma is sm_90a's), heads of 128, bf16 or fp16; causal_attention.py's kernel runs everything else and
 every tile taken from a schedule (a CUDA graph's forward). Triton 3.6 and later.
@@ -44,6 +45,7 @@ BLOCK, HEAD, STAGES = 128, 128, 3
 FORMS = {"persistent": 4}  # form -> num_warps (the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -71,13 +73,23 @@ def _block_softmax(s, m_i, l_i, n, whole, pos, n_k, scale, window, WINDOW: gl.co
 
 
 @gluon.jit
-def _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, layout: gl.constexpr):
-    """Rows r0 .. of the segment's output (acc / l_i) and their log-sum-exp (FlashAttention's layout: [heads, Tq])."""
+def _store(out_ptr, o_desc, buffer, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh,
+           layout: gl.constexpr):
+    """Rows r0 .. of the segment's output (acc / l_i) and their log-sum-exp (FlashAttention's layout: [heads, Tq]).
+    Rows all in the segment go through `buffer` (the half's queries' shared memory) by TMA, which writes whole
+    lines and leaves the warps free at once; stored from the product's layout, the same values took 9% of the
+    kernel's time (BENCHMARKS.md). The rows of a segment's last tile, where the next segment's rows follow, are
+    stored under a mask."""
     rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
     at = (q0 + rows).to(gl.int64)
-    d = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :],
-             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < n_q)[:, None])
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    if r0 + acc.shape[0] <= n_q:
+        buffer.store(out)
+        fence_async_shared()
+        _tma_store(o_desc, [q0 + r0, head * acc.shape[1]], buffer)
+    else:
+        d = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+        gl.store(out_ptr + at[:, None] * stride_ot + head * stride_oh + d[None, :], out, mask=(rows < n_q)[:, None])
     gl.store(lse_ptr + head.to(gl.int64) * total_q + at, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < n_q)
 
 
@@ -167,8 +179,8 @@ def _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, 
 
 @gluon.jit
 def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr,
-                       lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q, stride_qt,
-                       stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
+                       o_desc, lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q,
+                       stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
     """One half's tiles, as the loader posts them (each with keys to read): the loop over each tile's key blocks (the
     module's docstring), with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read
     while the last P V runs."""
@@ -190,6 +202,7 @@ def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, 
     while t < n_tiles:
         head, q0, n_q, k0, n_k, m0, start, whole, count, col = _tile_of(t, cu_q, cu_k, window, group, q_blocks,
                                                                         per_head, BLOCK, D, WINDOW)
+        tma.store_wait(0)  # (the last tile's output has left the buffer)
         q_smem.store(q)  # (every product that read the last tile's queries has been waited for)
         fence_async_shared()
         it += 1
@@ -224,16 +237,16 @@ def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, 
         q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
         mbarrier.arrive(empty.index(last))
-        # (stored from the product's layout: a change of layout takes shared memory, which the buffers fill)
-        _store(out_ptr, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
+        _store(out_ptr, o_desc, q_smem, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
         g += count
         turns += count - 1
+    tma.store_wait(0)
 
 
 @gluon.jit
-def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, taken, scale, window, group, q_blocks,
-                       per_head, n_tiles, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, o_desc, lse_ptr, cu_q, cu_k, taken, scale, window, group,
+                       q_blocks, per_head, n_tiles, total_q, stride_qt, stride_qh, stride_ot, stride_oh,
+                       WINDOW: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
@@ -253,8 +266,8 @@ def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q, cu_k, take
         mbarrier.init(id_full.index(i), count=1)
         mbarrier.init(id_free.index(i), count=2)
     mbarrier.arrive(turn.index(0))  # (the first half goes first)
-    common = (k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr, lse_ptr, n_tiles, cu_q, cu_k, scale,
-              window, group, q_blocks, per_head, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
+    common = (k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr, o_desc, lse_ptr, n_tiles, cu_q, cu_k,
+              scale, window, group, q_blocks, per_head, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
     gl.warp_specialize([
         (_persistent_attend, (0, q_ptr, q_smem.index(0)) + common),
         (_persistent_attend, (1, q_ptr, q_smem.index(1)) + common),
@@ -278,9 +291,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
               scale: float, window: int | None, form: str = "persistent") -> tuple[torch.Tensor, torch.Tensor]:
     """causal_attention._launch's forward (out, lse; no schedule) by one of FORMS. Heads as `usable` says."""
     t, heads, d = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, t, dtype=torch.float32, device=q.device)
     k_desc, v_desc = descriptors(k.contiguous(), v.contiguous())
+    o_desc = TensorDescriptor.from_tensor(out.view(t, -1), [BLOCK // 2, HEAD], descriptor_layout(q.dtype))
     q_blocks = triton.cdiv(max(max_q, 1), BLOCK)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks)
     sizes = dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form])
@@ -288,7 +302,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     per_head = q_blocks * (cu_q.shape[0] - 1)
     taken = torch.zeros(1, dtype=torch.int32, device=q.device)  # (the tiles taken so far)
     programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    _persistent_kernel[(programs,)](q, k_desc, v_desc, out, lse, cu_q, cu_k, taken, *common, per_head,
+    _persistent_kernel[(programs,)](q, k_desc, v_desc, out, o_desc, lse, cu_q, cu_k, taken, *common, per_head,
                                     per_head * heads, *strides, **sizes, enable_fp_fusion=True)  # (FMAs where the
     # fused tiling has them: its bits)
     return out, lse
@@ -304,9 +318,10 @@ def compile_sm90(form: str = "persistent", window: bool = False, divisible: tupl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = _persistent_kernel
-    desc = f"tensordesc<bf16[{BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
+    desc = {n: f"tensordesc<bf16[{BLOCK // 2 if n == 'o_desc' else BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
+            for n in ("k_desc", "v_desc", "o_desc")}
     const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form], **dict.fromkeys(ones, 1))
-    sig = {n: "constexpr" if n in const else desc if n.endswith("_desc") else "fp32" if n == "scale"
+    sig = {n: "constexpr" if n in const else desc[n] if n.endswith("_desc") else "fp32" if n == "scale"
            else "*i32" if n.startswith("cu_") or n == "taken" else "*fp32" if n == "lse_ptr"
            else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
