@@ -45,7 +45,7 @@ BLOCK, HEAD, STAGES = 128, 128, 3
 FORMS = {"persistent": 4}  # form -> num_warps (the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -77,7 +77,7 @@ def _store(out_ptr, o_desc, buffer, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, t
            layout: gl.constexpr):
     """Rows r0 .. of the segment's output (acc / l_i) and their log-sum-exp (FlashAttention's layout: [heads, Tq]).
     Rows all in the segment go through `buffer` (the half's queries' shared memory) by TMA, which writes whole
-    lines and leaves the warps free at once; stored from the product's layout, the same values took 9% of the
+    lines and leaves the warps free at once; stored from the product's layout, the same values took 8-9% of the
     kernel's time (BENCHMARKS.md). The rows of a segment's last tile, where the next segment's rows follow, are
     stored under a mask."""
     rows = r0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))

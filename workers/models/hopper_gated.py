@@ -40,11 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .hopper_attention import _DTYPES, _tma_load
+from .hopper_attention import _DTYPES, _tma_load, _tma_store
 from .rotary import rotary_gradients
 
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
 
 
 def _copyable(x: Tensor, *weights: Tensor) -> bool:
