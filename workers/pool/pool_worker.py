@@ -18,7 +18,7 @@ import ray
 
 from ..request import ScoreRequest, ScoreResult
 from .calls import WEIGHT_CALLS
-from .owner import HEALTH, SCORING, SCORING_CALLS, STAGING
+from .owner import HEALTH, NAMESPACE, SCORING, SCORING_CALLS, STAGING
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,15 @@ class PoolWorker:
         with warnings.catch_warnings():  # (Ray's check reads a property Ray deprecated: 3 lines in every worker's log)
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.owner = owner and ray.get_actor(owner, namespace=NAMESPACE)  # (its pool's WeightOwner, by name)
         if restarted:
-            restore = ray.get(owner.restore_spec.remote())
+            restore = ray.get(self.owner.restore_spec.remote())
         if size > 1:  # one rank of a tensor-parallel worker: its parts, and its own local copy (weights/keep.py)
             options["shard"] = (rank, size)
             keep_dir = keep_dir and f"{keep_dir}/rank{rank}"
             if restore and restore.get("keep"):
                 restore["keep"] = rank_copy(restore["keep"], rank)
-        self.placement, self.owner, self.rank, self.size = placement, owner, rank, size
+        self.placement, self.rank, self.size = placement, rank, size
         self.worker = (self.scorer or LogProbWorker)(model, restore=restore, keep_dir=keep_dir, on_kept=self._kept,
                                                      **options)
         self.ranks = RankGroup(self.worker, rank, size, followers, options.get("backend", "auto"),

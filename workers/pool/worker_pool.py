@@ -51,6 +51,7 @@ logging.getLogger("ray.actor").addFilter(
     lambda record: not record.getMessage().startswith("Scheduling a restartable detached actor with a placement"))
 
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
+PLACEMENT_SAID_S = 10.0  # a pool not placed after this long logs what it waits for
 
 
 def _actor_name(pool: str, index: int) -> str:
@@ -232,8 +233,14 @@ class WorkerPool:
         else:
             placements = [placement_group([bundle] * size, strategy="STRICT_PACK", lifetime=lifetime)
                           for _ in range(num_workers)]
+        ready = [p.ready() for p in placements]
+        said = min(PLACEMENT_SAID_S, ready_timeout_s)  # (a pool the cluster has no room for says so, not minutes later)
+        if len(ray.wait(ready, num_returns=len(ready), timeout=said)[0]) < len(ready):
+            log.warning("waiting for room for %d workers of %d x %s (the ranks of one worker on one node): the cluster "
+                        "has %s free of %s; giving up after ready_timeout_s=%.0f s", num_workers, size, bundle,
+                        ray.available_resources(), ray.cluster_resources(), ready_timeout_s)
         try:
-            ray.get([p.ready() for p in placements], timeout=ready_timeout_s)
+            ray.get(ready, timeout=max(ready_timeout_s - said, 0))
         except ray.exceptions.GetTimeoutError:
             for p in placements:
                 remove_placement_group(p)
@@ -245,8 +252,11 @@ class WorkerPool:
         key = f"weights:{name or uuid.uuid4().hex}"
         links = local_copy or (local_copy is None and num_workers == 1)
         keep = dict(keep_dir=f"ppo_logprobs-{key.replace(':', '-')}", keep_streams=bool(local_copy)) if links else {}
+        # the workers find their owner by name: a handle among a restartable actor's arguments is a reference that
+        # Ray says a restart may lose (ray#53727, one error line a worker in every trainer's log)
+        owner_name = f"{name}:owner" if name else f"ppo_logprobs-{key.split(':')[1]}:weights"
         owner = ray.remote(WeightOwner).options(
-            num_cpus=0, max_restarts=-1, max_task_retries=-1, **(dict(name=f"{name}:owner", **detached) if name else {})
+            num_cpus=0, max_restarts=-1, max_task_retries=-1, name=owner_name, **(detached or dict(namespace=NAMESPACE))
         ).remote(key, model)
         from .pool_worker import actor_class  # (here: a process that only holds handles imports no torch)
 
@@ -271,7 +281,7 @@ class WorkerPool:
                 max_task_retries=max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=bundle),
                 **names,
-            ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner, rank=rank,
+            ).remote(model, max_tokens_per_batch=max_tokens_per_batch, placement=placement, owner=owner_name, rank=rank,
                      size=size, **extra, **load_options)
 
         workers, ranks = [], []
