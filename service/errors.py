@@ -45,7 +45,9 @@ def _validation_detail(errors: list[dict]) -> str:
     for err in errors:
         loc = [x for x in err["loc"] if x != "body" and not _union_tag(x)]
         err = dict(err, where="".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip("."))
-        alike.setdefault((err["type"], err["msg"], tuple(x for x in loc if not isinstance(x, int))), []).append(err)
+        # (alike: the same error at the same field, tried as the same member of a union, but at other indices)
+        kind = (err["type"], err["msg"], tuple(x for x in err["loc"] if not isinstance(x, int)))
+        alike.setdefault(kind, []).append(err)
     parts = []
     for err, *more in list(alike.values())[:5]:
         if err["type"] == "json_invalid":
@@ -53,8 +55,13 @@ def _validation_detail(errors: list[dict]) -> str:
             continue
         value = f" (got {err['input']!r:.60})" if "input" in err and err["type"] != "missing" else ""
         also = f", and {len(more)} more like it" if more else ""
-        parts.append(f"{err['where'] or 'body'}: {err['msg'].removeprefix('Value error, ')}{value}{also}")
+        hint = _HINTS.get((err["type"], err["where"].split("[")[0], err["where"].count("[")), "")
+        parts.append(f"{err['where'] or 'body'}: {err['msg'].removeprefix('Value error, ')}{value}{also}{hint}")
     return "; ".join(dict.fromkeys(parts))
+
+
+# (type, field, depth): what the field is, where the mistake is one of shape (one sequence sent flat)
+_HINTS = {("list_type", "input_ids", 1): " (input_ids is a list of sequences, each a list of token ids)"}
 
 
 def _union_tag(x) -> bool:

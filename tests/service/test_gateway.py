@@ -127,7 +127,8 @@ MALFORMED = [
     ({"input_ids": [[1, "2"]]}, "input_ids[0][1]: ", 422),
     ({"input_ids": "1 2 3"}, "input_ids", 422),
     # one sequence sent flat: said once, not once a token
-    ({"input_ids": [1, 2, 3, 4]}, "input_ids[0]: Input should be a valid array (got 1), and 3 more like it", 422),
+    ({"input_ids": [1, 2, 3, 4]}, "input_ids[0]: Input should be a valid array (got 1), and 3 more like it (input_ids "
+     "is a list of sequences, each a list of token ids)", 422),
     ({"input_ids": [[1, "a"], [2, "b"]]}, "input_ids[0][1]: Input should be a valid integer (got 'a'), and 1 more",
      422),
     ({"input_ids": [[1, 2, 3]], "score_from": 4}, "score_from[0] = 4 must be in [1, 3]", 422),
