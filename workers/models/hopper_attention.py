@@ -308,23 +308,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     return out, lse
 
 
-def compile_sm90(form: str = "persistent", window: bool = False, divisible: tuple[str, ...] = ("total_q",),
-                 ones: tuple[str, ...] = ()):
-    """The kernel of this form for bf16 heads built for sm_90a, here, with no GPU (Triton's compiled kernel: its PTX,
-    shared memory; benchmarks/compile_sm90.py prints ptxas's registers and spills); `divisible` and `ones`: the
-    integer arguments besides the strides built as Triton's launcher builds a multiple of 16 (total_q, as launched)
-    and the value 1 (the batch's sizes, tests/test_kernel_builds.py)."""
+def sm90_desc(block: list[int], layout=None) -> str:
+    """The type of a bf16 tensor descriptor of this block (by default in wgmma's swizzle for it), for sm90_build."""
+    return f"tensordesc<bf16{block},{layout or gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)}>"
+
+
+def sm90_build(fn, types: dict, const: dict, aligned, fusion: bool, divisible=(), ones=()):
+    """A Gluon kernel built for sm_90a here, with no GPU, as Triton's launcher builds it (each Gluon module's
+    compile_sm90; benchmarks/compile_sm90.py prints ptxas's registers and spills): its arguments of these types, those
+    in `const` constants, those named in `aligned` multiples of 16 (as launched); `divisible` and `ones`: more integer
+    arguments built as the launcher builds a multiple of 16 and the value 1 (the batch's sizes,
+    tests/test_kernel_builds.py)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    const = {**const, **dict.fromkeys(ones, 1)}
+    sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned or n in divisible}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=const["num_warps"], enable_fp_fusion=fusion))
+
+
+def compile_sm90(form: str = "persistent", window: bool = False, divisible: tuple[str, ...] = ("total_q",),
+                 ones: tuple[str, ...] = ()):
+    """The kernel of this form for bf16 heads built for sm_90a by sm90_build (total_q divisible by 16, as launched)."""
     fn = _persistent_kernel
-    desc = {n: f"tensordesc<bf16[{BLOCK // 2 if n == 'o_desc' else BLOCK}, {HEAD}],{descriptor_layout(torch.bfloat16)}>"
-            for n in ("k_desc", "v_desc", "o_desc")}
-    const = dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form], **dict.fromkeys(ones, 1))
-    sig = {n: "constexpr" if n in const else desc[n] if n.endswith("_desc") else "fp32" if n == "scale"
-           else "*i32" if n.startswith("cu_") or n == "taken" else "*fp32" if n == "lse_ptr"
-           else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if n.endswith("_ptr") or n.startswith(("cu_", "stride_")) or n in divisible}
-    return triton.compile(GluonASTSource(fn, sig, constexprs=const, attrs=aligned), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=FORMS[form], enable_fp_fusion=True))
+    types = {n: sm90_desc([BLOCK // 2 if n == "o_desc" else BLOCK, HEAD], descriptor_layout(torch.bfloat16))
+             if n.endswith("_desc") else "fp32" if n == "scale" else "*i32" if n.startswith("cu_") or n == "taken"
+             else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith(("cu_", "stride_"))]
+    return sm90_build(fn, types, dict(WINDOW=window, STAGES=STAGES, num_warps=FORMS[form]), aligned, True, divisible,
+                      ones)

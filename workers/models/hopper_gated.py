@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .hopper_attention import _DTYPES, _tma_load, _tma_store
+from .hopper_attention import _DTYPES, _tma_load, _tma_store, sm90_build, sm90_desc
 from .rotary import rotary_gradients
 
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
@@ -579,24 +579,13 @@ def rotated_qkv(x: Tensor, weights: tuple[Tensor, Tensor, Tensor], biases: tuple
 
 
 def compile_sm90(mode: int = GATED, normed: bool = False, divisible: tuple[str, ...] = (), ones: tuple[str, ...] = ()):
-    """The kernel for bf16 built for sm_90a, here, with no GPU, in one of its modes (GATED, PLUS, QKV;
-    benchmarks/compile_sm90.py reports it); `divisible` and `ones`: more integer arguments built as Triton's launcher
-    builds a multiple of 16 and the value 1 (the batch's sizes, tests/test_kernel_builds.py)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(block):
-        return f"tensordesc<bf16{block},{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)}>"
-
-    const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4, **dict.fromkeys(ones, 1))
-    sig = {n: "constexpr" if n in const else desc([ROWS, DEPTH]) if n == "x_desc"
-           else desc([COLUMNS, DEPTH]) if n[0] == "w" else desc([ROWS, COLUMNS]) if n[0] == "o"
-           else "*bf16" if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr")
-           else "i1" if n == "biased" else "fp32" if n == "eps" else "i32"
-           for n in _body_gemm_kernel.arg_names}
+    """The kernel for bf16 built for sm_90a by sm90_build, in one of its modes (GATED, PLUS, QKV)."""
+    types = {n: sm90_desc([ROWS, DEPTH]) if n == "x_desc" else sm90_desc([COLUMNS, DEPTH]) if n[0] == "w"
+             else sm90_desc([ROWS, COLUMNS]) if n[0] == "o"
+             else "*bf16" if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr")
+             else "i1" if n == "biased" else "fp32" if n == "eps" else "i32" for n in _body_gemm_kernel.arg_names}
     # (as launched for a 7B's shapes, whose sizes and pointers Triton finds multiples of 16)
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_body_gemm_kernel.arg_names)
-               if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1")
-               or n == "stride_p" and mode == PLUS or n in divisible}
-    return triton.compile(GluonASTSource(_body_gemm_kernel, sig, constexprs=const, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=_FUSION[mode]))
+    aligned = ["p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1",
+               *(["stride_p"] if mode == PLUS else [])]
+    return sm90_build(_body_gemm_kernel, types, dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4),
+                      aligned, _FUSION[mode], divisible, ones)

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .hopper_attention import _tma_load
+from .hopper_attention import _tma_load, sm90_build, sm90_desc
 from .hopper_gated import (
     COLUMNS,
     DEPTH,
@@ -246,22 +246,10 @@ def launch(x: Tensor, weight: Tensor, expert: Tensor, row: Tensor, end: Tensor, 
 
 
 def compile_sm90(gated: bool, gather: bool, divisible: tuple[str, ...] = (), ones: tuple[str, ...] = ()):
-    """The kernel for bf16 built for sm_90a, here, with no GPU (benchmarks/compile_sm90.py reports it); `divisible`
-    and `ones`: more integer arguments built as Triton's launcher builds a multiple of 16 and the value 1 (the batch's
-    sizes, tests/test_kernel_builds.py)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def desc(block):
-        return f"tensordesc<bf16{block},{gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)}>"
-
-    const = dict(STAGES=STAGES, GROUP=GROUP, GATED=gated, GATHER=gather, num_warps=4, **dict.fromkeys(ones, 1))
-    sig = {n: "constexpr" if n in const else desc([ROWS, DEPTH]) if n == "x_desc"
-           else desc([COLUMNS, DEPTH]) if n == "w_desc" else desc([ROWS, COLUMNS]) if n == "out_desc"
-           else "*bf16" if n in ("x_ptr", "out_ptr") else "*i64" if n.endswith("_ptr") else "i32"
-           for n in _grouped_kernel.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(_grouped_kernel.arg_names)
-               if n in ("x_ptr", "out_ptr", "source_ptr", "n_cols", "k_dim", "w_rows")  # (a 30B-A3B's sizes)
-               or n in divisible}
-    return triton.compile(GluonASTSource(_grouped_kernel, sig, constexprs=const, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=True))
+    """The kernel for bf16 built for sm_90a by sm90_build."""
+    types = {n: sm90_desc([ROWS, DEPTH]) if n == "x_desc" else sm90_desc([COLUMNS, DEPTH]) if n == "w_desc"
+             else sm90_desc([ROWS, COLUMNS]) if n == "out_desc" else "*bf16" if n in ("x_ptr", "out_ptr")
+             else "*i64" if n.endswith("_ptr") else "i32" for n in _grouped_kernel.arg_names}
+    aligned = ["x_ptr", "out_ptr", "source_ptr", "n_cols", "k_dim", "w_rows"]  # (a 30B-A3B's sizes)
+    return sm90_build(_grouped_kernel, types, dict(STAGES=STAGES, GROUP=GROUP, GATED=gated, GATHER=gather, num_warps=4),
+                      aligned, True, divisible, ones)
