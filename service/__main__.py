@@ -222,9 +222,27 @@ def serve_until_stopped(settings: Settings) -> None:
         threading.Event().wait()  # until Ctrl-C or SIGTERM
     except KeyboardInterrupt:
         log.info("shutting down: finishing requests in flight")
-        serve.shutdown()
+        stop_serve(serve)
     finally:
         ray.shutdown()
+
+
+def stop_serve(serve) -> None:
+    """serve.shutdown(), unless the Ray this process started stops under it: a SIGTERM to the whole process group
+    (`kill -- -PGID`, systemd's default stop) reaches its raylet and GCS too, and Serve would wait 30 s for a
+    controller that is already gone."""
+    import ray
+
+    stopping = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+    stopping.start()
+    node = getattr(ray._private.worker, "_global_node", None)  # (None when this process joined a running cluster)
+    while stopping.is_alive():
+        stopping.join(0.25)
+        gone = sorted({kind for kind, _ in node.dead_processes()} & {"raylet", "gcs_server"}) if node else []
+        if gone and stopping.is_alive():
+            log.info("Ray's %s stopped with this process (a signal to its process group): nothing left to drain",
+                     " and ".join(gone))
+            return
 
 
 if __name__ == "__main__":
