@@ -11,8 +11,10 @@ A tile is 128 rows of x by 128 columns of the middle: both products of those col
 program is persistent (one per SM, tiles in grouped order, each program every grid-th tile). One warp loads x's rows
 (two boxes of 64) and the two weights' rows by TMA into a ring of STAGES buffers; two warpgroups take 64 rows each
 (warp_specialize; 240 and 32 registers asked for), keep one step's products in flight, release a buffer once its
-products are done, and store their 64 x 128 of the middle through shared memory by TMA while the next tile's first
-blocks load.
+products are done, and store their 64 x 128 of the middle through shared memory by TMA. Both warpgroups reach a tile's
+end together, so an epilogue run there leaves the tensor cores idle (4-12% of a kernel, measured): the middle and the
+projections instead round a tile's products to the dtype (their first rounding), issue the next tile's first LEAD
+steps, and only then compute and store the tile before's output, while those steps' products run.
 
 Rounded as silu_mul.py and HF round: each product to the dtype, silu in fp32 rounded to the dtype, times up in fp32,
 rounded; a projection rounded to the dtype, then added to the residual in fp32 and rounded; q, k, v as cuBLAS's bias
@@ -44,6 +46,7 @@ from .hopper_attention import _DTYPES, _tma_load, _tma_store, sm90_build, sm90_d
 from .rotary import rotary_gradients
 
 ROWS, COLUMNS, DEPTH, STAGES, GROUP = 64, 128, 64, 4, 8  # a warpgroup's rows, a tile's middle columns, K a step
+LEAD = gl.constexpr(2)  # a tile's steps issued before the tile before's epilogue runs (PLUS)
 
 
 def _copyable(x: Tensor, *weights: Tensor) -> bool:
@@ -149,9 +152,50 @@ def _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_
 
 
 @gluon.jit
+def _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero):
+    """A tile's first LEAD steps (from step i of the ring) issued, none waited for: the tensor cores' work while
+    the tile before's epilogue runs (`_rest_steps` goes on)."""
+    STAGES: gl.constexpr = g_smem.shape[0]
+    st = i % STAGES
+    mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+    a = x_smem.index(2 * st + half)
+    g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+    u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
+    for k in gl.static_range(1, LEAD):
+        st = (i + k) % STAGES
+        mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
+        a = x_smem.index(2 * st + half)
+        g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
+        u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)
+    return g, u
+
+
+@gluon.jit
+def _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps):
+    """The tile's steps after its first LEAD (`_lead_steps`), one step's products in flight while the next step's
+    are issued; each buffer released once its products are done. Returns both products, done."""
+    STAGES: gl.constexpr = g_smem.shape[0]
+    g, u = warpgroup_mma_wait(2, deps=(g, u))  # (all but the last step issued are done)
+    for k in gl.static_range(LEAD - 1):
+        mbarrier.arrive(empty.index((i + k) % STAGES))
+    for k in range(LEAD, k_steps):
+        st = (i + k) % STAGES
+        mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
+        a = x_smem.index(2 * st + half)
+        g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
+        u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)
+        g, u = warpgroup_mma_wait(2, deps=(g, u))  # (the step before is done: its buffer goes back)
+        mbarrier.arrive(empty.index((i + k - 1) % STAGES))
+    g, u = warpgroup_mma_wait(0, deps=(g, u))
+    mbarrier.arrive(empty.index((i + k_steps - 1) % STAGES))
+    return g, u
+
+
+@gluon.jit
 def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, m_tiles, n_tiles, k_steps,
                     GROUP: gl.constexpr):
-    """One warpgroup's 64 rows of each tile: the middle of its columns, stored by TMA."""
+    """One warpgroup's 64 rows of each tile: the middle of its columns, stored by TMA. (Run under the next tile's
+    first steps, as the projections' epilogue is, it measured 1-2% slower: stop 68, H100.)"""
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
     dtype: gl.constexpr = out_desc.dtype
@@ -161,38 +205,84 @@ def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_de
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
-        _store(_middle(g, u, dtype), out_smem, out_desc, m * 2 * ROWS + half * ROWS, n * COLUMNS)
+        _store(_middle(g.to(dtype), u.to(dtype)), out_smem, out_desc, m * 2 * ROWS + half * ROWS, n * COLUMNS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _middle(g, u, dtype: gl.constexpr):
-    """silu(gate) * up from the two products (fp32), rounded as silu_mul.py rounds: each product to the dtype, silu
-    in fp32 rounded to the dtype, times up in fp32 (the store rounds the result)."""
-    gate = g.to(dtype).to(gl.float32)
-    return (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
+def _middle(gate, up):
+    """silu(gate) * up from the two products rounded to the dtype, as silu_mul.py rounds: silu in fp32 rounded to
+    the dtype, times up in fp32 (the store rounds the result). exp(-x) as 2^(-x log2(e)) with a result below 2^-126
+    flushed to zero: 1 + it is 1 either way, so the bits are those of the unflushed form."""
+    x = gate.to(gl.float32)
+    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    return (x / (1.0 + e)).to(gate.dtype).to(gl.float32) * up.to(gl.float32)
 
 
 @gluon.jit
-def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, res_ptr, stride_r, n_rows, n_cols,
-                   m_tiles, n_tiles, k_steps, GROUP: gl.constexpr):
+def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, res_desc, res_bar, m_tiles,
+                   n_tiles, k_steps, GROUP: gl.constexpr):
     """One warpgroup's 64 rows of each tile: its 2 x COLUMNS columns of the product plus the residual's, stored by
-    TMA one half after the other. (Reading the residual before the products, as _qkv_products reads cos and sin,
-    measured 0.8% slower on the 7B's down projection, which is most of a projection's time: stop 61, H100.)"""
-    ROWS: gl.constexpr = x_smem.shape[1]
-    COLUMNS: gl.constexpr = g_smem.shape[1]
+    TMA one half after the other (`_plus_store`). As in _gated_products, a tile's products are rounded and kept and
+    its epilogue runs once the next tile's first LEAD steps are issued; the residual's first half comes by TMA into
+    the output buffer while the tile's products run."""
+    dtype: gl.constexpr = out_desc.dtype
     zero = _zero(x_smem, g_smem)
+    first, second = zero.to(dtype), zero.to(dtype)
+    tiles = m_tiles * n_tiles
+    _residual(res_desc, gl.program_id(0), half, 0, res_bar, out_smem, m_tiles, n_tiles, GROUP)
     i = 0
-    for t in range(gl.program_id(0), m_tiles * n_tiles, gl.num_programs(0)):
-        m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
-                                    zero, GROUP)
+    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        g, u = _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero)
+        if t != gl.program_id(0):
+            _plus_store(first, second, t - gl.num_programs(0), t, half, res_desc, res_bar, out_smem, out_desc,
+                        m_tiles, n_tiles, GROUP)
+        g, u = _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps)
         i += k_steps
-        r0 = m * 2 * ROWS + half * ROWS
-        r_g = _block(res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS, zero)
-        r_u = _block(res_ptr, stride_r, n_rows, n_cols, r0, n * 2 * COLUMNS + COLUMNS, zero)
-        _store(g.to(r_g.dtype).to(gl.float32) + r_g.to(gl.float32), out_smem, out_desc, r0, n * 2 * COLUMNS)
-        _store(u.to(r_u.dtype).to(gl.float32) + r_u.to(gl.float32), out_smem, out_desc, r0, n * 2 * COLUMNS + COLUMNS)
+        first, second = g.to(dtype), u.to(dtype)
+    last = gl.program_id(0) + (tiles - 1 - gl.program_id(0)) // gl.num_programs(0) * gl.num_programs(0)
+    _plus_store(first, second, last, tiles, half, res_desc, res_bar, out_smem, out_desc, m_tiles, n_tiles, GROUP)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _residual(res_desc, t, half, part, bar, out_smem, m_tiles, n_tiles, GROUP: gl.constexpr):
+    """This warpgroup's rows of projection tile t's residual, its first (part 0) or second COLUMNS columns, into
+    out_smem by TMA (bar counts the bytes; rows and columns past the end come as zeros)."""
+    ROWS: gl.constexpr = out_smem.shape[0]
+    COLUMNS: gl.constexpr = out_smem.shape[1]
+    m, n = _tile(t, m_tiles, n_tiles, GROUP)
+    mbarrier.expect(bar, res_desc.block_type.nbytes)
+    _tma_load(res_desc, [m * 2 * ROWS + half * ROWS, (2 * n + part) * COLUMNS], bar, out_smem)
+
+
+@gluon.jit
+def _plus_store(first, second, t, next_t, half, res_desc, bar, out_smem, out_desc, m_tiles, n_tiles,
+                GROUP: gl.constexpr):
+    """This warpgroup's two halves of projection tile t (its products rounded to the dtype) plus the residual's in
+    fp32, each half added in place of its residual in out_smem and stored by TMA; then tile next_t's first half of
+    the residual asked for (if there is one). The residual's halves complete bar's phases 0 and 1."""
+    ROWS: gl.constexpr = out_smem.shape[0]
+    COLUMNS: gl.constexpr = out_smem.shape[1]
+    m, n = _tile(t, m_tiles, n_tiles, GROUP)
+    r0 = m * 2 * ROWS + half * ROWS
+    layout: gl.constexpr = first.type.layout
+    mbarrier.wait(bar, 0)
+    y = first.to(gl.float32) + out_smem.load(layout).to(gl.float32)  # (a thread writes back what it read)
+    out_smem.store(y.to(out_desc.dtype))
+    fence_async_shared()
+    _tma_store(out_desc, [r0, 2 * n * COLUMNS], out_smem)
+    tma.store_wait(0)
+    _residual(res_desc, t, half, 1, bar, out_smem, m_tiles, n_tiles, GROUP)
+    mbarrier.wait(bar, 1)
+    y = second.to(gl.float32) + out_smem.load(layout).to(gl.float32)
+    out_smem.store(y.to(out_desc.dtype))
+    fence_async_shared()
+    _tma_store(out_desc, [r0, (2 * n + 1) * COLUMNS], out_smem)
+    if next_t < m_tiles * n_tiles:
+        tma.store_wait(0)
+        _residual(res_desc, next_t, half, 0, bar, out_smem, m_tiles, n_tiles, GROUP)
 
 
 @gluon.jit
@@ -393,10 +483,12 @@ def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_de
             (_loads, weights + (gl.to_tensor(COLUMNS), n0) + sizes),
         ], [4, 1], [240, 32])
     elif MODE == 1:
-        epilogue = (o0_desc, p0, stride_p, n_rows, n_cols)
+        residual = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (a warpgroup's each)
+        for h in gl.static_range(2):
+            mbarrier.init(residual.index(h), count=1)
         gl.warp_specialize([
-            (_plus_products, (0,) + common + (out_smem.index(0),) + epilogue + sizes),
-            (_plus_products, (1,) + common + (out_smem.index(1),) + epilogue + sizes),
+            (_plus_products, (0,) + common + (out_smem.index(0), o0_desc, o1_desc, residual.index(0)) + sizes),
+            (_plus_products, (1,) + common + (out_smem.index(1), o0_desc, o1_desc, residual.index(1)) + sizes),
             (_loads, weights + (gl.to_tensor(2 * COLUMNS), gl.to_tensor(COLUMNS)) + sizes),
         ], [4, 1], [240, 32])
     else:
@@ -431,17 +523,18 @@ def _launch(x: Tensor, mode: int, weights: tuple[Tensor, ...], outs: tuple[Tenso
     step = COLUMNS if mode == GATED else 2 * COLUMNS
     m_tiles, n_tiles = triton.cdiv(x.shape[0], 2 * ROWS), triton.cdiv(n_cols, step)
     programs = min(m_tiles * n_tiles, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    k_steps = max(triton.cdiv(x.shape[1], DEPTH), LEAD.value if mode == PLUS else 1)  # (steps past K: zeros, by TMA)
     n0, n1 = (n_cols, n_cols) if mode == GATED else (2**30, 0) if mode == PLUS else (len(weights[0]), len(weights[1]))
     w = [_descriptor(t, [COLUMNS, DEPTH]) for t in weights]
-    o = [_descriptor(t, [ROWS, COLUMNS]) for t in outs]
+    o = [_descriptor(t, [ROWS, COLUMNS]) for t in outs + (vectors if mode == PLUS else ())]  # (PLUS: o1 reads)
     p = vectors or (outs[0],)
     cos, sin = rope or (outs[0], outs[0])  # (unread where not QKV)
     q_norm, k_norm, eps = norms or (outs[0], outs[0], 0.0)
     _body_gemm_kernel[(programs,)](
         _descriptor(x, [ROWS, DEPTH]), *(w + w[-1:] * 2)[:3], *(o + o[-1:] * 2)[:3], *(p + p[-1:] * 2)[:3],
         p[0].stride(0), len(vectors) > 0, q_norm, k_norm, eps, cos, sin, cos.stride(0), x.shape[0],
-        n0, n1, n_cols, m_tiles, n_tiles, triton.cdiv(x.shape[1], DEPTH), STAGES=stages, GROUP=group, MODE=mode,
-        NORMED=norms is not None, num_warps=4, enable_fp_fusion=_FUSION[mode])
+        n0, n1, n_cols, m_tiles, n_tiles, k_steps, STAGES=stages, GROUP=group, MODE=mode, NORMED=norms is not None,
+        num_warps=4, enable_fp_fusion=_FUSION[mode])
 
 
 def middle(x: Tensor, gate: Tensor, up: Tensor, stages: int = STAGES, group: int = GROUP) -> Tensor:
@@ -458,6 +551,8 @@ def plus(x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
     the dtype first, as HF's `residual + proj(x)` rounds), as `usable(x, weight, weight)` says: one launch, no
     autograd."""
     x, weight, residual = x.contiguous(), weight.contiguous(), residual.contiguous()
+    if residual.data_ptr() % 16:  # (the kernel reads it by TMA)
+        residual = residual.clone()
     out = torch.empty_like(residual)
     _launch(x, PLUS, (weight,), (out,), weight.shape[0], (residual,))
     return out
@@ -587,5 +682,6 @@ def compile_sm90(mode: int = GATED, normed: bool = False, divisible: tuple[str, 
     # (as launched for a 7B's shapes, whose sizes and pointers Triton finds multiples of 16)
     aligned = ["p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1",
                *(["stride_p"] if mode == PLUS else [])]
-    return sm90_build(_body_gemm_kernel, types, dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4),
+    const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4)
+    return sm90_build(_body_gemm_kernel, types, const,
                       aligned, _FUSION[mode], divisible, ones)

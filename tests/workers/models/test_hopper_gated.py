@@ -22,29 +22,39 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 def test_the_kernel_builds_for_sm90a_and_keeps_a_step_of_products_in_flight():
     """Compiled here for sm_90a in its three modes (no GPU; a process without the interpreter): each fits a Hopper
     program's shared memory, spills nothing, and waits for the step before while this step's products run
-    (wait_group 2)."""
+    (wait_group 2); the projections store a tile's output while the next tile's first products run, the middle and
+    q/k/v after their own."""
     builds = builds_for_sm90a("from ppo_logprobs.workers.models import hopper_gated as h\n"
                               "builds = [h.compile_sm90(mode) for mode in (h.GATED, h.PLUS, h.QKV)]\n")
     assert len(builds) == 3, builds
-    for shared, waits, spilled in builds:
+    for shared, waits, spilled, _ in builds:
         assert shared <= 232448 and waits and spilled == 0, builds
+    assert [under for *_, under in builds] == [False, True, False], builds
 
 
-def builds_for_sm90a(script: str) -> list[tuple[int, bool, int]]:
+def builds_for_sm90a(script: str) -> list[tuple[int, bool, int, bool]]:
     """Runs `script` (which leaves its compiled kernels in `builds`) in a process without the interpreter, from the
     repository's root; for each build: its shared memory, whether it waits for the step before while this step's
-    products run (wgmma wait_group 2), and the bytes ptxas spilled."""
+    products run (wgmma wait_group 2), the bytes ptxas spilled, and whether it issues a TMA store between products'
+    commit and the wait for them (an epilogue under the tensor cores' work)."""
     script = ("import sys; sys.path.insert(0, 'benchmarks')\n" + script + "from compile_sm90 import _report\n"
+              "def under(ptx):\n"
+              "    committed = False\n"
+              "    for line in ptx.splitlines():\n"
+              "        if 'cp.async.bulk.tensor.2d.global.shared' in line and committed:\n"
+              "            return True\n"
+              "        committed = 'wgmma.commit_group' in line or committed and 'wgmma.wait_group' not in line\n"
+              "    return False\n"
               "for c in builds:\n"
               "    print('built', c.metadata.shared, 'wgmma.wait_group.sync.aligned 2;' in c.asm['ptx'],\n"
-              "          _report(c)[0][0].split(' bytes spill stores')[0].split()[-1])\n")
+              "          _report(c)[0][0].split(' bytes spill stores')[0].split()[-1], under(c.asm['ptx']))\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300,
                           cwd=root)
     builds = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("built")]
     assert builds, done.stderr[-2000:]
-    return [(int(shared), waits == "True", int(spilled)) for shared, waits, spilled in builds]
+    return [(int(shared), waits == "True", int(spilled), under == "True") for shared, waits, spilled, under in builds]
 
 
 def _inputs(rows: int, k: int, n: int, dtype: torch.dtype, seed: int = 0):
