@@ -177,7 +177,43 @@ def main(argv: list[str] | None = None) -> None:
         serve_until_stopped(settings)
     finally:
         if folder is not None:
+            stop_haproxies(folder)
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def stop_haproxies(folder: str, wait_s: float = 10.0) -> None:
+    """SIGTERM to every HAProxy still running on a configuration in `folder`, and a wait for them to exit. Serve's
+    shutdown stops them; a SIGTERM to the service's process group does not reach them (Ray's workers, which start
+    them, are in groups of their own), and without this they went on serving the port after the service exited."""
+    import time
+
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:  # (gone, or not ours to read)
+            continue
+        if os.path.basename(args[0]) == "haproxy" and any(a.startswith(folder + os.sep) for a in args):
+            try:
+                os.kill(int(pid), signal.SIGTERM)
+                left.append(int(pid))
+            except OSError:
+                pass
+    deadline = time.monotonic() + wait_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in left if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+    if left:
+        log.warning("HAProxy (pid %s) did not exit within %.0f s of SIGTERM", ", ".join(map(str, left)), wait_s)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def serve_until_stopped(settings: Settings) -> None:
