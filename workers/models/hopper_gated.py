@@ -12,9 +12,10 @@ program is persistent (one per SM, tiles in grouped order, each program every gr
 (two boxes of 64) and the two weights' rows by TMA into a ring of STAGES buffers; two warpgroups take 64 rows each
 (warp_specialize; 240 and 32 registers asked for), keep one step's products in flight, release a buffer once its
 products are done, and store their 64 x 128 of the middle through shared memory by TMA. Both warpgroups reach a tile's
-end together, so an epilogue run there leaves the tensor cores idle (4-12% of a kernel, measured): the middle and the
-projections instead round a tile's products to the dtype (their first rounding), issue the next tile's first LEAD
-steps, and only then compute and store the tile before's output, while those steps' products run.
+end together, so an epilogue run there leaves the tensor cores idle (4-12% of a kernel, measured): the projections
+instead round a tile's products to the dtype (their first rounding), issue the next tile's first LEAD steps, and only
+then add the residual and store the tile before, while those steps' products run (o 3.5-4.8% faster, down ~2%; the
+middle, tried the same way, gained nothing: BENCHMARKS.md).
 
 Rounded as silu_mul.py and HF round: each product to the dtype, silu in fp32 rounded to the dtype, times up in fp32,
 rounded; a projection rounded to the dtype, then added to the residual in fp32 and rounded; q, k, v as cuBLAS's bias
@@ -195,7 +196,7 @@ def _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps):
 def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, m_tiles, n_tiles, k_steps,
                     GROUP: gl.constexpr):
     """One warpgroup's 64 rows of each tile: the middle of its columns, stored by TMA. (Run under the next tile's
-    first steps, as the projections' epilogue is, it measured 1-2% slower: stop 68, H100.)"""
+    first steps, as the projections' epilogue is, it measured no gain: stop 68, H100.)"""
     ROWS: gl.constexpr = x_smem.shape[1]
     COLUMNS: gl.constexpr = g_smem.shape[1]
     dtype: gl.constexpr = out_desc.dtype
@@ -205,19 +206,17 @@ def _gated_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_de
         m, n, g, u = _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_tiles, k_steps,
                                     zero, GROUP)
         i += k_steps
-        _store(_middle(g.to(dtype), u.to(dtype)), out_smem, out_desc, m * 2 * ROWS + half * ROWS, n * COLUMNS)
+        _store(_middle(g, u, dtype), out_smem, out_desc, m * 2 * ROWS + half * ROWS, n * COLUMNS)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _middle(gate, up):
-    """silu(gate) * up from the two products rounded to the dtype, as silu_mul.py rounds: silu in fp32 rounded to
-    the dtype, times up in fp32 (the store rounds the result). exp(-x) as 2^(-x log2(e)) with a result below 2^-126
-    flushed to zero: 1 + it is 1 either way, so the bits are those of the unflushed form."""
-    x = gate.to(gl.float32)
-    e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * -1.4426950408889634], dtype=gl.float32,
-                                  is_pure=True, pack=1)
-    return (x / (1.0 + e)).to(gate.dtype).to(gl.float32) * up.to(gl.float32)
+def _middle(g, u, dtype: gl.constexpr):
+    """silu(gate) * up from the two products (fp32), rounded as silu_mul.py rounds: each product to the dtype, silu
+    in fp32 rounded to the dtype, times up in fp32 (the store rounds the result). (exp by `ex2.approx.ftz`, 3
+    instructions an element fewer and the same bits, measured 0.6-1.7% slower: stop 68, H100.)"""
+    gate = g.to(dtype).to(gl.float32)
+    return (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32) * u.to(dtype).to(gl.float32)
 
 
 @gluon.jit

@@ -168,8 +168,7 @@ def _grouped_tiles(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
                                             k_steps, zero, GROUP, FENCE)
                 i += k_steps
             if GATED:
-                y = _middle(g.to(dtype), u.to(dtype))
-                _rows_store(y, out_smem, out_desc, out_ptr, n_cols, r0, end, n * COLUMNS)
+                _rows_store(_middle(g, u, dtype), out_smem, out_desc, out_ptr, n_cols, r0, end, n * COLUMNS)
             else:
                 _rows_store(g, out_smem, out_desc, out_ptr, n_cols, r0, end, n * 2 * COLUMNS)
                 _rows_store(u, out_smem, out_desc, out_ptr, n_cols, r0, end, n * 2 * COLUMNS + COLUMNS)
