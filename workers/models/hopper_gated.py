@@ -127,61 +127,44 @@ def _tile_products(t, half, x_smem, g_smem, u_smem, ready, empty, i, m_tiles, n_
     i + k_steps - 1 of the ring, one step's products in flight while the next step's are issued; each buffer
     released once its products are done. FENCE: x's rows came by cp.async (another proxy than wgmma's), so each
     step fences them before its products."""
-    STAGES: gl.constexpr = g_smem.shape[0]
     m, n = _tile(t, m_tiles, n_tiles, GROUP)
-    st = i % STAGES
-    mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-    if FENCE:
-        fence_async_shared()
-    a = x_smem.index(2 * st + half)
-    g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-    u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-    g, u = warpgroup_mma_wait(2, deps=(g, u))  # (waits for nothing: the products stay in flight)
-    for k in range(1, k_steps):
+    g, u = _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero, 1, FENCE)
+    g, u = _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, 1, FENCE)
+    return m, n, g, u
+
+
+@gluon.jit
+def _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero, STEPS: gl.constexpr, FENCE: gl.constexpr = False):
+    """A tile's first STEPS steps (from step i of the ring) issued, none waited for: with STEPS = LEAD, the tensor
+    cores' work while the tile before's epilogue runs (`_rest_steps` goes on)."""
+    STAGES: gl.constexpr = g_smem.shape[0]
+    g = zero
+    u = zero
+    for k in gl.static_range(STEPS):
         st = (i + k) % STAGES
         mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
         if FENCE:
             fence_async_shared()
         a = x_smem.index(2 * st + half)
-        g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
-        u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)
-        g, u = warpgroup_mma_wait(2, deps=(g, u))  # (the step before is done: its buffer goes back)
-        mbarrier.arrive(empty.index((i + k - 1) % STAGES))
-    g, u = warpgroup_mma_wait(0, deps=(g, u))
-    mbarrier.arrive(empty.index((i + k_steps - 1) % STAGES))
-    return m, n, g, u
-
-
-@gluon.jit
-def _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero):
-    """A tile's first LEAD steps (from step i of the ring) issued, none waited for: the tensor cores' work while
-    the tile before's epilogue runs (`_rest_steps` goes on)."""
-    STAGES: gl.constexpr = g_smem.shape[0]
-    st = i % STAGES
-    mbarrier.wait(ready.index(st), (i // STAGES) & 1)
-    a = x_smem.index(2 * st + half)
-    g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-    u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
-    for k in gl.static_range(1, LEAD):
-        st = (i + k) % STAGES
-        mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
-        a = x_smem.index(2 * st + half)
-        g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
-        u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)
+        g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, use_acc=k > 0, is_async=True)
+        u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, use_acc=k > 0, is_async=True)
     return g, u
 
 
 @gluon.jit
-def _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps):
-    """The tile's steps after its first LEAD (`_lead_steps`), one step's products in flight while the next step's
+def _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, STEPS: gl.constexpr,
+                FENCE: gl.constexpr = False):
+    """The tile's steps after its first STEPS (`_lead_steps`), one step's products in flight while the next step's
     are issued; each buffer released once its products are done. Returns both products, done."""
     STAGES: gl.constexpr = g_smem.shape[0]
     g, u = warpgroup_mma_wait(2, deps=(g, u))  # (all but the last step issued are done)
-    for k in gl.static_range(LEAD - 1):
+    for k in gl.static_range(STEPS - 1):
         mbarrier.arrive(empty.index((i + k) % STAGES))
-    for k in range(LEAD, k_steps):
+    for k in range(STEPS, k_steps):
         st = (i + k) % STAGES
         mbarrier.wait(ready.index(st), ((i + k) // STAGES) & 1)
+        if FENCE:
+            fence_async_shared()
         a = x_smem.index(2 * st + half)
         g = warpgroup_mma(a, g_smem.index(st).permute((1, 0)), g, is_async=True)
         u = warpgroup_mma(a, u_smem.index(st).permute((1, 0)), u, is_async=True)
@@ -233,11 +216,11 @@ def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_des
     _residual(res_desc, gl.program_id(0), half, 0, res_bar, out_smem, m_tiles, n_tiles, GROUP)
     i = 0
     for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        g, u = _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero)
+        g, u = _lead_steps(half, x_smem, g_smem, u_smem, ready, i, zero, LEAD)
         if t != gl.program_id(0):
             _plus_store(first, second, t - gl.num_programs(0), t, half, res_desc, res_bar, out_smem, out_desc,
                         m_tiles, n_tiles, GROUP)
-        g, u = _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps)
+        g, u = _rest_steps(g, u, half, x_smem, g_smem, u_smem, ready, empty, i, k_steps, LEAD)
         i += k_steps
         first, second = g.to(dtype), u.to(dtype)
     last = gl.program_id(0) + (tiles - 1 - gl.program_id(0)) // gl.num_programs(0) * gl.num_programs(0)
