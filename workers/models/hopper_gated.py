@@ -206,9 +206,9 @@ def _middle(g, u, dtype: gl.constexpr):
 def _plus_products(half, x_smem, g_smem, u_smem, ready, empty, out_smem, out_desc, res_desc, res_bar, m_tiles,
                    n_tiles, k_steps, GROUP: gl.constexpr):
     """One warpgroup's 64 rows of each tile: its 2 x COLUMNS columns of the product plus the residual's, stored by
-    TMA one half after the other (`_plus_store`). As in _gated_products, a tile's products are rounded and kept and
-    its epilogue runs once the next tile's first LEAD steps are issued; the residual's first half comes by TMA into
-    the output buffer while the tile's products run."""
+    TMA one half after the other (`_plus_store`). A tile's products are rounded to the dtype and kept, and its
+    epilogue runs once the next tile's first LEAD steps are issued, while their products run; the residual's first
+    half comes by TMA into the output buffer during the tile's own products."""
     dtype: gl.constexpr = out_desc.dtype
     zero = _zero(x_smem, g_smem)
     first, second = zero.to(dtype), zero.to(dtype)
