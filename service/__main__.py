@@ -188,7 +188,7 @@ def stop_haproxies(folder: str, wait_s: float = 10.0) -> None:
     import time
 
     left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else ()):  # (Linux's; Ray's HAProxy)
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 args = f.read().decode(errors="replace").split("\0")
