@@ -444,11 +444,11 @@ def _ring(x_desc, w_desc, out_desc, STAGES: gl.constexpr, READY: gl.constexpr):
 
 
 @gluon.jit
-def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_desc, p0, p1, p2, stride_p, biased,
+def _body_gemm_kernel(x_desc, w0_desc, w1_desc, w2_desc, o0_desc, o1_desc, o2_desc, p0, p1, p2, biased,
                       qn_ptr, kn_ptr, eps, cos_ptr, sin_ptr, stride_cs, n_rows, n0, n1, n_cols, m_tiles,
                       n_tiles, k_steps, STAGES: gl.constexpr, GROUP: gl.constexpr, MODE: gl.constexpr,
                       NORMED: gl.constexpr, num_warps: gl.constexpr):
-    """GATED: o0 = the middle of x, w0 (gate) and w1 (up). PLUS: o0 = p0 (the residual, row stride stride_p) + x @
+    """GATED: o0 = the middle of x, w0 (gate) and w1 (up). PLUS: o0 = o1 (the residual, read by TMA) + x @
     w0.T. QKV: o0, o1, o2 = q, k, v of x and w0, w1, w2 (plus the biases p0, p1, p2 if biased), q's and k's heads
     RMS-normalised by the weights at qn_ptr and kn_ptr if normed, then rotated by cos and sin (row stride
     stride_cs). n0, n1: the rows of w0 and w1 (`_load_weight`); n_cols: the output's columns (QKV: all three's)."""
@@ -509,12 +509,12 @@ def _launch(x: Tensor, mode: int, weights: tuple[Tensor, ...], outs: tuple[Tenso
     n0, n1 = (n_cols, n_cols) if mode == GATED else (2**30, 0) if mode == PLUS else (len(weights[0]), len(weights[1]))
     w = [_descriptor(t, [COLUMNS, DEPTH]) for t in weights]
     o = [_descriptor(t, [ROWS, COLUMNS]) for t in outs + (vectors if mode == PLUS else ())]  # (PLUS: o1 reads)
-    p = vectors or (outs[0],)
+    p = (vectors if mode == QKV else ()) or (outs[0],)  # (QKV's biases; unread where not QKV)
     cos, sin = rope or (outs[0], outs[0])  # (unread where not QKV)
     q_norm, k_norm, eps = norms or (outs[0], outs[0], 0.0)
     _body_gemm_kernel[(programs,)](
         _descriptor(x, [ROWS, DEPTH]), *(w + w[-1:] * 2)[:3], *(o + o[-1:] * 2)[:3], *(p + p[-1:] * 2)[:3],
-        p[0].stride(0), len(vectors) > 0, q_norm, k_norm, eps, cos, sin, cos.stride(0), x.shape[0],
+        len(vectors) > 0, q_norm, k_norm, eps, cos, sin, cos.stride(0), x.shape[0],
         n0, n1, n_cols, m_tiles, n_tiles, k_steps, STAGES=stages, GROUP=group, MODE=mode, NORMED=norms is not None,
         num_warps=4, enable_fp_fusion=_FUSION[mode])
 
@@ -662,8 +662,7 @@ def compile_sm90(mode: int = GATED, normed: bool = False, divisible: tuple[str, 
              else "*bf16" if n in ("p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr")
              else "i1" if n == "biased" else "fp32" if n == "eps" else "i32" for n in _body_gemm_kernel.arg_names}
     # (as launched for a 7B's shapes, whose sizes and pointers Triton finds multiples of 16)
-    aligned = ["p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1",
-               *(["stride_p"] if mode == PLUS else [])]
+    aligned = ["p0", "p1", "p2", "qn_ptr", "kn_ptr", "cos_ptr", "sin_ptr", "stride_cs", "n_cols", "n0", "n1"]
     const = dict(STAGES=STAGES, GROUP=GROUP, MODE=mode, NORMED=normed, num_warps=4)
     return sm90_build(_body_gemm_kernel, types, const,
                       aligned, _FUSION[mode], divisible, ones)
