@@ -252,17 +252,16 @@ class WorkerPool:
         key = f"weights:{name or uuid.uuid4().hex}"
         links = local_copy or (local_copy is None and num_workers == 1)
         keep = dict(keep_dir=f"ppo_logprobs-{key.replace(':', '-')}", keep_streams=bool(local_copy)) if links else {}
+        ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
         # the workers find their owner by name: a handle among a restartable actor's arguments is a reference that
         # Ray says a restart may lose (ray#53727, one error line a worker in every trainer's log)
-        owner_name = f"{name}:owner" if name else f"ppo_logprobs-{key.split(':')[1]}:weights"
+        owner_name = f"{name}:owner" if name else f"{ranks_prefix}:weights"
         owner = ray.remote(WeightOwner).options(
             num_cpus=0, max_restarts=-1, max_task_retries=-1, name=owner_name, **(detached or dict(namespace=NAMESPACE))
         ).remote(key, model)
         from .pool_worker import actor_class  # (here: a process that only holds handles imports no torch)
 
         actor = actor_class()
-
-        ranks_prefix = name or f"ppo_logprobs-{key.split(':')[1]}"
 
         def start(i: int, rank: int, **extra):
             # a tensor-parallel worker's other ranks are named (in NAMESPACE) even in an unnamed pool: its leader
