@@ -173,18 +173,14 @@ def main(argv: list[str] | None = None) -> None:
                     "connections open (the haproxy ingress bounds them)")
     for name, value in Edge.of(settings).environment().items():
         os.environ.setdefault(name, value)
-    try:
-        serve_until_stopped(settings)
-    finally:
-        if folder is not None:
-            stop_haproxies(folder)
-            shutil.rmtree(folder, ignore_errors=True)
+    serve_until_stopped(settings, folder)
 
 
-def stop_haproxies(folder: str, wait_s: float = 10.0) -> None:
-    """SIGTERM to every HAProxy still running on a configuration in `folder`, and a wait for them to exit. Serve's
-    shutdown stops them; a SIGTERM to the service's process group does not reach them (Ray's workers, which start
-    them, are in groups of their own), and without this they went on serving the port after the service exited."""
+def remove_haproxy_folder(folder: str, wait_s: float = 10.0) -> None:
+    """SIGTERM to every HAProxy still running on a configuration in `folder`, a wait for them to exit, and the folder
+    removed. Serve's shutdown stops them; a SIGTERM to the service's process group does not reach them (Ray's
+    workers, which start them, are in groups of their own), and without this they went on serving the port after
+    the service exited."""
     import time
 
     left = []
@@ -206,6 +202,7 @@ def stop_haproxies(folder: str, wait_s: float = 10.0) -> None:
         left = [pid for pid in left if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
     if left:
         log.warning("HAProxy (pid %s) did not exit within %.0f s of SIGTERM", ", ".join(map(str, left)), wait_s)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _zombie(pid: int) -> bool:
@@ -216,7 +213,8 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def serve_until_stopped(settings: Settings) -> None:
+def serve_until_stopped(settings: Settings, folder: str | None) -> None:
+    """Ray, Serve and the application up until Ctrl-C or SIGTERM, then down; `folder` (HAProxy's files) removed."""
     import ray
     from ray import serve
 
@@ -228,45 +226,54 @@ def serve_until_stopped(settings: Settings) -> None:
     # (each as main() left it: an operator's own value of one of these stands)
     env = {**{name: os.environ.get(name, value) for name, value in Edge.of(settings).environment().items()},
            **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy" else {})}
-    ray.init(include_dashboard=False, runtime_env={"worker_process_setup_hook": f"{__package__}.edge.setup_worker",
-                                                   "env_vars": env})
-    # SIGTERM stops the service as Ctrl-C does, from here on: Ray's own handler ended this process with a stack dump
-    # and no Serve shutdown when it came while the application was deploying (/readyz can answer 200 before
-    # serve.run returns)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    ray_stopped = False  # (by a signal to the whole process group, under Serve's shutdown)
     try:
-        serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
-        n = settings.workers_per_model
-        # (a GPU worker's start is quiet for most of a minute: BENCHMARKS.md, "Recovery on a GPU")
-        log.info("starting %s on %d worker%s each: a worker loads its model%s, then this says where it is ready",
-                 ", ".join(f"{name} ({path})" for name, path in settings.models.items()), n, "s" * (n > 1),
-                 ", compiles its kernels for the GPU and warms them up (about a minute the first time, more for a "
-                 "large model; Triton's cache keeps the kernels for the next)" if ray.cluster_resources().get("GPU")
-                 else "")
+        ray.init(include_dashboard=False, runtime_env={"env_vars": env,
+                                                       "worker_process_setup_hook": f"{__package__}.edge.setup_worker"})
+        # SIGTERM stops the service as Ctrl-C does, from here on: Ray's own handler ended this process with a stack
+        # dump and no Serve shutdown when it came while the application was deploying (/readyz can answer 200
+        # before serve.run returns)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
-        except RuntimeError:  # it failed to deploy: its reason in one line, after all Ray has to say (its log)
-            reason = deploy_failure(settings, serve.status().applications.get("ppo_logprobs"))
-            if reason is None:
-                raise
-            serve.shutdown()
-            ray.shutdown()
-            fail(reason)
-        url = f"http://{settings.host}:{settings.port}"
-        log.info("ready on %s (docs at %s/docs). Try:", url, url)
-        log.info("  %s", curl_example(settings))
-        threading.Event().wait()  # until Ctrl-C or SIGTERM
-    except KeyboardInterrupt:
-        log.info("shutting down: finishing requests in flight")
-        stop_serve(serve)
+            serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
+            n = settings.workers_per_model
+            # (a GPU worker's start is quiet for most of a minute: BENCHMARKS.md, "Recovery on a GPU")
+            log.info("starting %s on %d worker%s each: a worker loads its model%s, then this says where it is ready",
+                     ", ".join(f"{name} ({path})" for name, path in settings.models.items()), n, "s" * (n > 1),
+                     ", compiles its kernels for the GPU and warms them up (about a minute the first time, more for a "
+                     "large model; Triton's cache keeps the kernels for the next)" if ray.cluster_resources().get("GPU")
+                     else "")
+            try:
+                serve.run(build_app(settings), name="ppo_logprobs", route_prefix="/")
+            except RuntimeError:  # it failed to deploy: its reason in one line, after all Ray has to say (its log)
+                reason = deploy_failure(settings, serve.status().applications.get("ppo_logprobs"))
+                if reason is None:
+                    raise
+                serve.shutdown()
+                ray.shutdown()
+                fail(reason)
+            url = f"http://{settings.host}:{settings.port}"
+            log.info("ready on %s (docs at %s/docs). Try:", url, url)
+            log.info("  %s", curl_example(settings))
+            threading.Event().wait()  # until Ctrl-C or SIGTERM
+        except KeyboardInterrupt:
+            log.info("shutting down: finishing requests in flight")
+            ray_stopped = not stop_serve(serve)
     finally:
+        if folder is not None:
+            remove_haproxy_folder(folder)
+        if ray_stopped:  # (Ray's shutdown would end this process with status 1 on finding its raylet gone)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         ray.shutdown()
 
 
-def stop_serve(serve) -> None:
+def stop_serve(serve) -> bool:
     """serve.shutdown(), unless the Ray this process started stops under it: a SIGTERM to the whole process group
     (`kill -- -PGID`, systemd's default stop) reaches its raylet and GCS too, and Serve would wait 30 s for a
-    controller that is already gone."""
+    controller that is already gone. False in that case."""
     import ray
 
     stopping = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
@@ -278,7 +285,8 @@ def stop_serve(serve) -> None:
         if gone and stopping.is_alive():
             log.info("Ray's %s stopped with this process (a signal to its process group): nothing left to drain",
                      " and ".join(gone))
-            return
+            return False
+    return True
 
 
 if __name__ == "__main__":
