@@ -235,7 +235,9 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
         # before serve.run returns)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
-            serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port})
+            logging.getLogger("ray.serve").setLevel(settings.serve_log_level)  # (Serve's lines in this process too)
+            serve.start(proxy_location="EveryNode", http_options={"host": settings.host, "port": settings.port},
+                        logging_config={"log_level": settings.serve_log_level})
             n = settings.workers_per_model
             # (a GPU worker's start is quiet for most of a minute: BENCHMARKS.md, "Recovery on a GPU")
             log.info("starting %s on %d worker%s each: a worker loads its model%s, then this says where it is ready",

@@ -237,12 +237,13 @@ def build_app(settings: Settings):
     # a replica told to stop looks for requests still in flight this often (Serve's 2 s made every stop of the
     # service, and each replica removed, wait about 4 s more with nothing in flight)
     drain = dict(graceful_shutdown_wait_loop_s=0.2)
+    logs = {"log_level": settings.serve_log_level, "enable_access_log": settings.access_log}
     # a keeper that cannot make its pools (a model that cannot load) fails the deployment at once: Serve's count is
     # of attempts, 1 is none again (each again reloaded the model, and failed the same way, three times)
     keeper = serve.deployment(
         PoolKeeper, name="PoolKeeper", num_replicas=1, graceful_shutdown_timeout_s=120, health_check_timeout_s=60,
         max_constructor_retry_count=1, ray_actor_options={"num_cpus": 0, "resources": settings.gateway_resources},
-        **drain,
+        logging_config=logs, **drain,
     )
 
     import ray
@@ -256,7 +257,7 @@ def build_app(settings: Settings):
         num_replicas=settings.ingress_replicas, ray_actor_options={"num_cpus": 0}, **spread,
         max_ongoing_requests=max(settings.max_open_requests,
                                  share(settings.max_queue, settings.ingress_replicas) * len(settings.models) + 64),
-        graceful_shutdown_timeout_s=60, logging_config={"enable_access_log": settings.access_log}, **drain,
+        graceful_shutdown_timeout_s=60, logging_config=logs, **drain,
     )
     @serve.ingress(app)
     class LogProbsIngress(Gateway):

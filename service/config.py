@@ -96,6 +96,11 @@ class Settings(BaseSettings):
     access_log: bool = Field(False, description="Serve's access log: a line a request in each ingress replica's log "
                              "file (about a tenth of a replica's CPU a request, profiled; /metrics counts answers "
                              "by status)")
+    serve_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "WARNING", description="the level of Ray Serve's own log lines (its controller, proxies, HAProxy's manager, "
+        "the replicas), on this console and in Ray's log files; INFO adds about 50 lines a start (every deployment "
+        "step and HAProxy reload)"
+    )
     pool_name: str | None = Field(
         "ppo_logprobs", description="pools are named '<pool_name>:<model>' (detached) for trainers' connect_pool"
     )

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -248,11 +249,19 @@ def test_every_listener_is_on_loopback(served):
 
 def test_the_log_says_what_starts_then_where_it_is_ready(served):
     url, _, log = served
+    deadline = time.monotonic() + 60  # (/readyz can answer before serve.run returns and the line is written)
+    while f"ready on {url}" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
     lines = log.read_text().splitlines()
     starting = next(i for i, line in enumerate(lines) if "ppo_logprobs.service starting " in line)
     assert lines[starting].endswith("starting policy (tiny) on 1 worker each: a worker loads its model, then this "
                                     "says where it is ready"), lines[starting]  # (no GPU here)
     assert any(f"ready on {url}" in line for line in lines[starting + 1:])
+    # Serve's own INFO lines (every deployment step and HAProxy reload: about 50 a start) only at --serve-log-level
+    # INFO; its warnings stay
+    assert not [line for line in lines if " INFO " in line and ("controller" in line or "HAProxyManager" in line)
+                or "Connecting to existing Serve app" in line], lines
 
 
 def test_stopping_leaves_nothing_behind(served):

@@ -105,7 +105,7 @@ def test_a_sigterm_while_it_deploys_stops_it_in_order(tmp_path):
                                  "--pool-name", "stopped-early"], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while "Started Serve" not in log.read_text():  # (serve.run's deployment under way)
+        while "ppo_logprobs.service starting " not in log.read_text():  # (Serve started; serve.run's deployment next)
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         started = psutil.Process(proc.pid).children(recursive=True)
