@@ -272,7 +272,7 @@ def run_mode(args) -> list[dict]:
     if args.ingress == "haproxy":
         import tempfile
 
-        haproxy_files(tempfile.mkdtemp(prefix="ppl-"))
+        os.environ.update(haproxy_files(tempfile.mkdtemp(prefix="ppl-")))
     gpu = torch.cuda.is_available()
     ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "ppo_logprobs.service.edge.setup_worker"})

@@ -144,13 +144,16 @@ def curl_example(settings: Settings) -> str:
             f"-d '{body}'")
 
 
-def haproxy_files(folder: str) -> None:
-    """HAProxy's configuration, state and admin sockets in a folder of this user's (mkdtemp: mode 0700); Serve's
-    defaults are in /tmp/haproxy-serve, where an admin socket of mode 666 lets any local user command it. The name
-    is short: a node's id (56 characters) goes below it, and HAProxy takes socket paths of at most 97."""
-    for name, file in (("CONFIG_FILE_LOC", "haproxy.cfg"), ("SOCKET_PATH", "admin.sock"), ("SERVER_STATE_BASE", ""),
-                       ("SERVER_STATE_FILE", "server-state"), ("METRICS_SOCKET_PATH", "metrics.sock")):
-        os.environ.setdefault(f"RAY_SERVE_HAPROXY_{name}", os.path.join(folder, file).rstrip("/"))
+def haproxy_files(folder: str) -> dict[str, str]:
+    """The variables that put HAProxy's configuration, state and admin sockets in a folder of this user's (mkdtemp:
+    mode 0700), where the environment does not already say; Serve's defaults are in /tmp/haproxy-serve, where an
+    admin socket of mode 666 lets any local user command it. The name is short: a node's id (56 characters) goes
+    below it, and HAProxy takes socket paths of at most 97."""
+    files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock", "SERVER_STATE_BASE": "",
+             "SERVER_STATE_FILE": "server-state", "METRICS_SOCKET_PATH": "metrics.sock"}
+    return {f"RAY_SERVE_HAPROXY_{name}": os.environ.get(f"RAY_SERVE_HAPROXY_{name}",
+                                                       os.path.join(folder, file).rstrip("/"))
+            for name, file in files.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     if settings.ingress == "haproxy":
         os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
         folder = tempfile.mkdtemp(prefix="ppl-")
-        haproxy_files(folder)
+        os.environ.update(haproxy_files(folder))
     elif not loopback:
         log.warning("Serve's Python proxy has no deadline for a request's headers: behind it, slow clients can hold "
                     "connections open (the haproxy ingress bounds them)")
@@ -223,9 +226,11 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
     # every Ray process this starts applies the edge's bounds first (edge.py), HAProxy's manager among them; the
     # environment goes with the job too, for the worker processes of a cluster that `ray start` began (RAY_ADDRESS),
     # which inherit their raylet's environment, not ours
-    # (each as main() left it: an operator's own value of one of these stands)
+    # (each as main() left it: an operator's own value of one of these stands); HAProxy's files too: its manager is
+    # such a worker, and in its raylet's /tmp/haproxy-serve the admin socket is anyone's
     env = {**{name: os.environ.get(name, value) for name, value in Edge.of(settings).environment().items()},
-           **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy" else {})}
+           **({"RAY_SERVE_ENABLE_HA_PROXY": "1"} if settings.ingress == "haproxy" else {}),
+           **(haproxy_files(folder) if folder is not None else {})}
     ray_stopped = False  # (by a signal to the whole process group, under Serve's shutdown)
     try:
         ray.init(include_dashboard=False, runtime_env={"env_vars": env,

@@ -3,7 +3,7 @@ deploy/one_machine_cluster.py (Ray's token auth on), then `ppo-logprobs serve` j
 Its worker goes to the node with the worker resource and answers over HTTP on loopback; no process of the cluster
 or the service listens beyond loopback; a driver without the token is refused. (Joining a cluster begun outside
 the service used to kill every worker process: they inherit their raylet's environment, which lacked the
-service's edge.)"""
+service's edge; and HAProxy's admin socket went to the raylet's /tmp/haproxy-serve, open to every local user.)"""
 
 import ipaddress
 import os
@@ -89,6 +89,17 @@ def test_serve_joins_a_two_node_cluster_on_loopback(tmp_path):
         assert (tmp_path / ".ray/auth_token").stat().st_size > 0  # (made by the script, as ray.init makes it)
         assert refused_at_once(probe, {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}", "RAY_AUTH_TOKEN": "not-the-token"})
         assert "KeyError" not in log.read_text()
+        # HAProxy's files in the service's own folder of mode 0700, removed when it stops (in the raylet's
+        # /tmp/haproxy-serve, the admin socket of mode 666 was anyone's, and was left behind)
+        folders = {os.path.dirname(os.path.dirname(arg)) for p in psutil.process_iter(["name", "cmdline"])
+                   if p.info["name"] == "haproxy" and p.pid not in haproxies
+                   for arg in p.info["cmdline"] or () if arg.endswith(".cfg")}
+        assert len(folders) == 1 and os.path.basename(next(iter(folders))).startswith("ppl-"), folders
+        folder = next(iter(folders))
+        assert os.stat(folder).st_mode & 0o777 == 0o700
+        stop_service(proc)
+        proc = None
+        assert not os.path.exists(folder)
     finally:
         if proc is not None:
             stop_service(proc)

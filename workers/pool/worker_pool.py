@@ -288,7 +288,19 @@ class WorkerPool:
             ranks += [start(i, rank, **keep) for rank in range(1, size)]
             followers = [_rank_name(ranks_prefix, i, rank) for rank in range(1, size)]
             workers.append(start(i, 0, followers=followers, **keep))
-        infos = ray.get([w.info.remote() for w in workers])
+        try:
+            infos = ray.get([w.info.remote() for w in workers])
+        except ray.exceptions.ActorDiedError as e:
+            # a worker refused its arguments (no checkpoint at the path, a bad dtype): that error, and no part of the
+            # pool left behind (a named pool's are detached); Ray passes the creation task's error as the argument
+            cause = getattr(e.args[0], "cause", None) if e.args else None
+            if not isinstance(cause, ValueError):
+                raise
+            for a in [*workers, *ranks, owner]:
+                ray.kill(a, no_restart=True)
+            for p in placements:
+                remove_placement_group(p)
+            raise cause from None
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
         pool = cls(owner, workers, infos[0], name=name, placements=placements)

@@ -11,6 +11,7 @@ import ray
 import torch
 
 from ppo_logprobs.workers import WorkerPool, load_model
+from ppo_logprobs.workers.errors import CheckpointNotFound
 from ppo_logprobs.workers.pool import worker_pool
 
 from ...helpers import alone, perturbed, random_sequences, scoring_now
@@ -248,6 +249,19 @@ def test_a_pool_that_cannot_be_placed_says_so(pool, caplog, monkeypatch):
     said = [r.getMessage() for r in caplog.records if r.name == worker_pool.__name__]
     assert len(said) == 1 and said[0].startswith("waiting for room for 5 workers of 1 x {'CPU': 1}"), said
     assert "giving up after ready_timeout_s=3 s" in said[0], said
+
+
+def test_a_path_with_no_checkpoint_raises_that_and_leaves_no_part_of_the_pool(pool):
+    """The workers' own error, raised by create (before: Ray's ActorDiedError, the worker's traceback its message),
+    and nothing of a named pool left behind: its owner and placement group are detached."""
+    def live_groups():
+        return sum(g["state"] != "REMOVED" for g in ray.util.placement_group_table().values())
+
+    groups = live_groups()
+    with pytest.raises(CheckpointNotFound, match="^no checkpoint directory at '/no/such/model'$"):
+        WorkerPool.create("/no/such/model", 1, name="no-model", backend="torch")
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("no-model")]
+    assert live_groups() == groups
 
 
 def test_bad_requests_fail_before_dispatch(pool):
