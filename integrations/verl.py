@@ -91,10 +91,15 @@ def tensors_of(out: dict) -> TensorDict | DataProto:
     """score_batch's arrays in verl's types: a TensorDict of `log_probs` (and `entropy`) nested like the batch's
     `input_ids`, or a DataProto of `ref_log_prob` (and `entropys`) [batch, response] float32, 0 at padding."""
     if "offsets" not in out:
-        return DataProto.from_dict(tensors={k: torch.from_numpy(v) for k, v in out.items()})
-    offsets = torch.from_numpy(out.pop("offsets"))
-    return tu.get_tensordict({k: torch.nested.nested_tensor_from_jagged(torch.from_numpy(v), offsets)
-                              for k, v in out.items()})
+        return DataProto.from_dict(tensors={k: _tensor(v) for k, v in out.items()})
+    offsets = _tensor(out.pop("offsets"))
+    return tu.get_tensordict({k: torch.nested.nested_tensor_from_jagged(_tensor(v), offsets) for k, v in out.items()})
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor of the array's memory, or of a copy where the array is read-only (one that came through Ray's object
+    store: torch warned, and a write to the tensor would be undefined)."""
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 def score_unpadded(service: Service, data: TensorDict) -> TensorDict:
