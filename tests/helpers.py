@@ -168,6 +168,15 @@ def wait_ready(url: str, proc: subprocess.Popen, log, timeout_s: float = 240) ->
         time.sleep(1)
 
 
+def wait_logged(text: str, log, proc: subprocess.Popen, timeout_s: float = 120, every_s: float = 0.1) -> None:
+    """Returns once `text` is in `log` (a Path); fails with the log's end if `proc` ends first or `timeout_s`
+    passes."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(every_s)
+
+
 def stop_service(proc: subprocess.Popen) -> None:
     """SIGTERM, as an operator stops it; its process group killed if it has not exited within 120 s."""
     proc.send_signal(signal.SIGTERM)

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ import psutil
 
 from ppo_logprobs.workers import load_model
 
-from ..helpers import alone, free_port, stop_service, wait_ready
+from ..helpers import alone, free_port, stop_service, wait_logged, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,10 +62,7 @@ def test_serve_joins_a_two_node_cluster_on_loopback(tmp_path):
         with open(nodes_log, "wb") as out:
             nodes = subprocess.Popen([sys.executable, str(ROOT / "deploy/one_machine_cluster.py"), "--port", str(gcs)],
                                      stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while "a head and a GPU node at" not in nodes_log.read_text():
-            assert nodes.poll() is None and time.monotonic() < deadline, nodes_log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_logged("a head and a GPU node at", nodes_log, nodes, every_s=0.5)
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ppo_logprobs.service", "--port", str(port), "--backend", "torch",

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import psutil
@@ -23,7 +22,7 @@ from ppo_logprobs.service.app import make_fastapi
 from ppo_logprobs.service.edge import OPEN_ROUTES
 from ppo_logprobs.workers.wire import BINARY
 
-from ..helpers import free_port, random_sequences, stop_service, wait_ready
+from ..helpers import free_port, random_sequences, stop_service, wait_logged, wait_ready
 from .test_gateway import MALFORMED
 
 KEY = {"Authorization": "Bearer s3cret"}
@@ -248,11 +247,8 @@ def test_every_listener_is_on_loopback(served):
 
 
 def test_the_log_says_what_starts_then_where_it_is_ready(served):
-    url, _, log = served
-    deadline = time.monotonic() + 60  # (/readyz can answer before serve.run returns and the line is written)
-    while f"ready on {url}" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.1)
+    url, proc, log = served
+    wait_logged(f"ready on {url}", log, proc, timeout_s=60)  # (/readyz can answer before the line is written)
     lines = log.read_text().splitlines()
     starting = next(i for i, line in enumerate(lines) if "ppo_logprobs.service starting " in line)
     assert lines[starting].endswith("starting policy (tiny) on 1 worker each: a worker loads its model, then this "

@@ -8,11 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from ..helpers import free_port
+from ..helpers import free_port, wait_logged
 
 SERVE = [sys.executable, "-m", "ppo_logprobs.client.cli", "serve"]
 
@@ -104,10 +103,7 @@ def test_a_sigterm_while_it_deploys_stops_it_in_order(tmp_path):
         proc = subprocess.Popen([*SERVE, "--ingress", "python", "--port", str(free_port()), "--backend", "torch",
                                  "--pool-name", "stopped-early"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while "ppo_logprobs.service starting " not in log.read_text():  # (Serve started; serve.run's deployment next)
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_logged("ppo_logprobs.service starting ", log, proc)  # (Serve started; serve.run's deployment next)
         started = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, log.read_text()[-3000:]
