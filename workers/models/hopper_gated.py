@@ -15,7 +15,7 @@ products are done, and store their 64 x 128 of the middle through shared memory 
 end together, so an epilogue run there leaves the tensor cores idle (4-12% of a kernel, measured): the projections
 instead round a tile's products to the dtype (their first rounding), issue the next tile's first LEAD steps, and only
 then add the residual and store the tile before, while those steps' products run (o 3.5-4.8% faster, down ~2%; the
-middle, tried the same way, gained nothing: BENCHMARKS.md).
+middle, tried the same way, was 1.5-4.3% slower: BENCHMARKS.md).
 
 Rounded as silu_mul.py and HF round: each product to the dtype, silu in fp32 rounded to the dtype, times up in fp32,
 rounded; a projection rounded to the dtype, then added to the residual in fp32 and rounded; q, k, v as cuBLAS's bias
