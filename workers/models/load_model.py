@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ..errors import InvalidCheckpoint, clip
+from ..errors import IncompatibleWeights, InvalidCheckpoint, clip
 from ..head import Backend
-from ..weights.checkpoint import checkpoint_dir, read_checkpoint
+from ..weights.checkpoint import checkpoint_dir, read_checkpoint, read_index
 from .patch_model import allow_split_k, patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
@@ -42,7 +42,9 @@ def load_model(
 ) -> nn.Module:
     """A patched causal LM in eval mode: "tiny" (built in) or a local directory with config and safetensors.
 
-    Nothing is fetched from a hub: a name that is not a local directory fails. With `config` (a config's
+    Nothing is fetched from a hub: a name that is not a local directory fails; so does a checkpoint whose shards are
+    not whole (InvalidCheckpoint) or whose tensors do not fit its config.json (IncompatibleWeights: a shape that
+    differs, a parameter missing, which HF would leave random). With `config` (a config's
     `to_dict()`), name_or_path is not read: the model of that config is built on `device` with weights left as
     initialised, for a weight update to fill. With `process_group`, this rank's tensor-parallel part
     (tensor_parallel.py): built alone and filled with its part of each checkpoint tensor (the whole model exists
@@ -83,9 +85,22 @@ def load_model(
     elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True
+        if any(checkpoint_dir(str(name_or_path)).glob("*.safetensors")):
+            read_index(str(name_or_path))  # InvalidCheckpoint naming the shard (HF raised safetensors' own error)
+        # (HF left a tensor of another shape, or one the checkpoint lacks, as initialised: random, with a report in
+        # the log; a mismatch raised an error that pointed to the report)
+        model, loaded = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
+            output_loading_info=True, ignore_mismatched_sizes=True,
         )
+        where = clip(str(name_or_path), 200)
+        if loaded["mismatched_keys"]:
+            name, theirs, mine = sorted(loaded["mismatched_keys"])[0]
+            raise IncompatibleWeights(f"{name!r} has shape {list(theirs)} in {where!r} and {list(mine)} in the model "
+                                      "its config.json describes")
+        if loaded["missing_keys"]:
+            missing = sorted(loaded["missing_keys"])
+            raise IncompatibleWeights(f"{where!r} lacks {len(missing)} of the model's parameters, e.g. {missing[0]!r}")
     if shard is not None:
         cut_model(model, *shard)
     if process_group is not None:

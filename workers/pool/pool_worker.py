@@ -65,8 +65,15 @@ class PoolWorker:
             if restore and restore.get("keep"):
                 restore["keep"] = rank_copy(restore["keep"], rank)
         self.placement, self.rank, self.size = placement, rank, size
-        self.worker = (self.scorer or LogProbWorker)(model, restore=restore, keep_dir=keep_dir, on_kept=self._kept,
-                                                     **options)
+        self.refused = None
+        try:
+            self.worker = (self.scorer or LogProbWorker)(model, restore=restore, keep_dir=keep_dir, on_kept=self._kept,
+                                                         **options)
+        except ValueError as e:  # its arguments (no checkpoint, a truncated shard, another shape): info says so
+            if restarted or size > 1:
+                raise
+            self.refused = e  # (the pool's create kills this worker; raised here, Ray logged the traceback twice)
+            return
         self.ranks = RankGroup(self.worker, rank, size, followers, options.get("backend", "auto"),
                                group_timeout_s or GROUP_TIMEOUT_S) if size > 1 else None
         self._scoring = self.ranks or self.worker  # who answers scoring calls
@@ -87,6 +94,8 @@ class PoolWorker:
         return result
 
     def info(self) -> dict:
+        if self.refused is not None:
+            raise self.refused
         info = self._scoring.info()
         if self.scheduler is not None:  # its line: what waits, and the steps run
             line = self.scheduler.line

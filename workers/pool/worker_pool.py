@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Unpack
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -52,6 +52,26 @@ logging.getLogger("ray.actor").addFilter(
 
 _ATTEMPTS = 4  # dispatches of one share before a call gives up
 PLACEMENT_SAID_S = 10.0  # a pool not placed after this long logs what it waits for
+
+
+def _start_error(error: RayActorError | RayTaskError) -> BaseException | None:
+    """What a worker's constructor raised: as its info's error (its arguments refused: PoolWorker.refused), or as the
+    cause of its death (Ray passes the creation task's error as the argument); None for a worker lost otherwise
+    (killed, its node gone)."""
+    failed = error.args[0] if isinstance(error, RayActorError) and error.args else error
+    return failed.cause if isinstance(failed, RayTaskError) else None
+
+
+def _started(workers: list) -> list[dict]:
+    """Each worker's info once it has started. The first ask is not retried: a worker whose constructor failed is
+    dead for good, and Ray logged its traceback once more for every retry it said was left. A worker lost otherwise
+    while it started is restarted by Ray, and asked again with retries."""
+    try:
+        return ray.get([w.info.options(max_task_retries=0).remote() for w in workers])
+    except RayActorError as e:
+        if _start_error(e) is not None:
+            raise
+        return ray.get([w.info.remote() for w in workers])
 
 
 def _actor_name(pool: str, index: int) -> str:
@@ -289,18 +309,18 @@ class WorkerPool:
             followers = [_rank_name(ranks_prefix, i, rank) for rank in range(1, size)]
             workers.append(start(i, 0, followers=followers, **keep))
         try:
-            infos = ray.get([w.info.remote() for w in workers])
-        except ray.exceptions.ActorDiedError as e:
-            # a worker refused its arguments (no checkpoint at the path, a bad dtype): that error, and no part of the
-            # pool left behind (a named pool's are detached); Ray passes the creation task's error as the argument
-            cause = getattr(e.args[0], "cause", None) if e.args else None
-            if not isinstance(cause, ValueError):
-                raise
+            infos = _started(workers)
+        except (RayActorError, RayTaskError) as e:
+            # a worker that could not start: no part of the pool left behind (a named pool's are detached), and
+            # where it refused its arguments (no checkpoint at the path, a bad dtype, a truncated shard) that error
             for a in [*workers, *ranks, owner]:
                 ray.kill(a, no_restart=True)
             for p in placements:
                 remove_placement_group(p)
-            raise cause from None
+            refused = _start_error(e)
+            if isinstance(refused, ValueError):
+                raise refused from None
+            raise
         names = [_actor_name(name, i) for i in range(num_workers)] if name else None
         ray.get(owner.set_workers.remote(workers, ray.get(workers[0].config.remote()), names))
         pool = cls(owner, workers, infos[0], name=name, placements=placements)

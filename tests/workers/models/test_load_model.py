@@ -2,16 +2,19 @@
 a model built from a config, the dtype option, and its refusals; nothing is asked of a hub (fp32, tiny configs)."""
 
 import http.server
+import os
 import re
 import threading
 
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from huggingface_hub import constants
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ppo_logprobs.workers import load_model
-from ppo_logprobs.workers.errors import CheckpointNotFound, InvalidCheckpoint
+from ppo_logprobs.workers.errors import CheckpointNotFound, IncompatibleWeights, InvalidCheckpoint
 from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 from ppo_logprobs.workers.models.tensor_parallel import shard_of
 from ppo_logprobs.workers.sharding import Shard, held_shard
@@ -142,6 +145,29 @@ def config_only(tmp_path, **options):
     return str(tmp_path / "config-only"), options
 
 
+def truncated(tmp_path):
+    path = saved(tiny("qwen2"), tmp_path / "truncated")
+    shard = tmp_path / "truncated" / "model.safetensors"
+    os.truncate(shard, shard.stat().st_size // 2)
+    return path, {}
+
+
+def other_shapes(tmp_path):
+    """Weights of an MLP 96 wide under a config that says 128."""
+    Qwen2ForCausalLM(Qwen2Config(**{**TINY_CONFIG, "intermediate_size": 96})).save_pretrained(tmp_path / "other")
+    Qwen2Config(**TINY_CONFIG).save_pretrained(tmp_path / "other")
+    return str(tmp_path / "other"), {}
+
+
+def a_tensor_short(tmp_path):
+    path = saved(Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG)), tmp_path / "short")
+    shard = tmp_path / "short" / "model.safetensors"
+    tensors = safetensors.torch.load_file(shard)
+    del tensors["model.norm.weight"]
+    safetensors.torch.save_file(tensors, shard, metadata={"format": "pt"})
+    return path, {}
+
+
 GPT2 = dict(n_embd=32, n_layer=1, n_head=2, vocab_size=97, bos_token_id=1, eos_token_id=2)
 
 
@@ -155,6 +181,10 @@ REFUSALS = [
     (a_file, CheckpointNotFound, "no checkpoint directory at '{path}'"),
     (empty_directory, InvalidCheckpoint, "'{path}' has no config.json"),
     (config_only, (OSError, ValueError), "{path}"),
+    (truncated, InvalidCheckpoint, "model.safetensors is truncated: tensor '.+' ends at byte \\d+, the file has \\d+"),
+    (other_shapes, IncompatibleWeights, "'model.layers.0.mlp.down_proj.weight' has shape \\[64, 96\\] in '{path}' and "
+     "\\[64, 128\\] in the model its config.json describes"),
+    (a_tensor_short, IncompatibleWeights, "'{path}' lacks 1 of the model's parameters, e.g. 'model.norm.weight'"),
     (gpt2, ValueError, "cannot patch GPT2LMHeadModel \\(model_type 'gpt2'\\)"),
     (lambda p: (str(p / "absent"), dict(config={"model_type": "no-such-family"})), ValueError, "no-such-family"),
     (lambda p: (str(p / "absent"), dict(config=transformers.GPT2Config(**GPT2).to_dict())), ValueError,
@@ -170,7 +200,8 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize(("case", "error", "message"), REFUSALS, ids=[
-    "missing", "a-file", "empty-directory", "config-only", "unsupported-family", "unknown-config",
+    "missing", "a-file", "empty-directory", "config-only", "truncated", "other-shapes", "a-tensor-short",
+    "unsupported-family", "unknown-config",
     "unsupported-config", "shard-missing", "shard-config-only", "shard-unsupported-family", "shard-indivisible"])
 def test_refusals_name_the_path_or_the_reason(tmp_path, case, error, message):
     path, options = case(tmp_path)
