@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 
@@ -82,6 +83,10 @@ def edge_template(template: str, edge: Edge) -> str:
             .replace(_LOG, "    log stderr format raw local0 warning\n"))
 
 
+def _no_other_nodes(record: logging.LogRecord) -> bool:
+    return "won't accept connections from HAProxy on other nodes" not in record.getMessage()
+
+
 def setup_worker() -> None:
     """Ray's worker_process_setup_hook for `ppo-logprobs serve`: runs in every Ray worker process it starts."""
     from ray.serve._private import haproxy
@@ -92,6 +97,9 @@ def setup_worker() -> None:
     if edge.loopback:
         keep_replica_grpc_on_loopback("127.0.0.1")
         keep_haproxy_on_loopback()
+        # (Serve's controller warns, at every start, that HAProxy on other nodes cannot reach a replica on loopback:
+        # a service on loopback keeps Ray there too, so it has no other nodes)
+        logging.getLogger("ray.serve").addFilter(_no_other_nodes)
     haproxy.HAPROXY_CONFIG_TEMPLATE = edge_template(haproxy.HAPROXY_CONFIG_TEMPLATE, edge)
 
 
