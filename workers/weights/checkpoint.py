@@ -69,6 +69,9 @@ def _read_header(file: Path) -> dict[str, TensorSpec]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] not in FILE_DTYPES:
+            raise InvalidCheckpoint(f"{file.name}: tensor {name!r} is stored as {clip(info['dtype'], 20)}, which is "
+                                    f"not read here (only {', '.join(FILE_DTYPES)}: no quantized checkpoints)")
         try:
             dtype = FILE_DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])
