@@ -79,13 +79,12 @@ def checkpoint_problem(path: str) -> str | None:
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # (whatever transformers raises for a config it cannot read: JSON, an unknown model_type)
         return f"cannot read {os.path.join(path, 'config.json')!r} ({str(e).splitlines()[0]:.200})"
-    if any(f.endswith(".safetensors") for f in os.listdir(path)):
-        from ..workers.weights.checkpoint import read_index
+    from ..workers.weights.checkpoint import check_shards
 
-        try:
-            read_index(path)  # (the shards' headers and sizes; no tensor is read)
-        except ValueError as e:  # (InvalidCheckpoint: it names the shard)
-            return str(e)
+    try:
+        check_shards(path)  # (the shards' headers and sizes; no tensor is read)
+    except ValueError as e:  # (InvalidCheckpoint: it names the shard)
+        return str(e)
     return None
 
 

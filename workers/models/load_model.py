@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 
 from ..errors import IncompatibleWeights, InvalidCheckpoint, clip
 from ..head import Backend
-from ..weights.checkpoint import checkpoint_dir, read_checkpoint, read_index
+from ..weights.checkpoint import check_shards, checkpoint_dir, read_checkpoint
 from .patch_model import allow_split_k, patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
@@ -85,8 +85,7 @@ def load_model(
     elif name_or_path == "tiny":
         model = _tiny_model(attn_implementation)
     else:
-        if any(checkpoint_dir(str(name_or_path)).glob("*.safetensors")):
-            read_index(str(name_or_path))  # InvalidCheckpoint naming the shard (HF raised safetensors' own error)
+        check_shards(str(name_or_path))  # InvalidCheckpoint naming the shard (HF raised safetensors' own error)
         # (HF left a tensor of another shape, or one the checkpoint lacks, as initialised: random, with a report in
         # the log; a mismatch raised an error that pointed to the report)
         model, loaded = AutoModelForCausalLM.from_pretrained(

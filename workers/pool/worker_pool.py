@@ -59,7 +59,7 @@ def _start_error(error: RayActorError | RayTaskError) -> BaseException | None:
     cause of its death (Ray passes the creation task's error as the argument); None for a worker lost otherwise
     (killed, its node gone)."""
     failed = error.args[0] if isinstance(error, RayActorError) and error.args else error
-    return failed.cause if isinstance(failed, RayTaskError) else None
+    return cause(failed) if isinstance(failed, RayTaskError) else None
 
 
 def _started(workers: list) -> list[dict]:

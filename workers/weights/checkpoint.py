@@ -122,6 +122,13 @@ def read_index(path: str) -> dict[str, TensorSpec]:
     return index
 
 
+def check_shards(path: str) -> None:
+    """The checkpoint directory at `path` checked as read_index checks it (InvalidCheckpoint naming the shard) where
+    it has safetensors shards; one of pytorch_model*.bin files passes unread."""
+    if any(checkpoint_dir(path).glob("*.safetensors")):
+        read_index(path)
+
+
 # HF's saved form of a mixture's experts, one tensor per expert and projection (transformers 5 fuses them when it
 # loads: a layer's `experts.gate_up_proj` [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]); Mixtral's
 # block is `block_sparse_moe` on disk (w1: gate, w3: up, w2: down)
