@@ -205,9 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     for pool in (reference, *(() if args.http else (policy,))):
         pool.shutdown()
     if args.http:
-        from ray import serve
+        from ppo_logprobs.service.app import shut_down_serve
 
-        serve.shutdown()
+        shut_down_serve()
     ray.shutdown()
     return result
 

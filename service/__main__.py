@@ -227,7 +227,7 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
     import ray
     from ray import serve
 
-    from .app import build_app
+    from .app import build_app, shut_down_serve
 
     # every Ray process this starts applies the edge's bounds first (edge.py), HAProxy's manager among them; the
     # environment goes with the job too, for the worker processes of a cluster that `ray start` began (RAY_ADDRESS),
@@ -262,7 +262,7 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
                 reason = deploy_failure(settings, serve.status().applications.get("ppo_logprobs"))
                 if reason is None:
                     raise
-                serve.shutdown()
+                shut_down_serve()
                 ray.shutdown()
                 fail(reason)
             url = f"http://{settings.host}:{settings.port}"
@@ -271,7 +271,7 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
             threading.Event().wait()  # until Ctrl-C or SIGTERM
         except KeyboardInterrupt:
             log.info("shutting down: finishing requests in flight")
-            ray_stopped = not stop_serve(serve)
+            ray_stopped = not stop_serve()
     finally:
         if folder is not None:
             remove_haproxy_folder(folder)
@@ -283,13 +283,15 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
         ray.shutdown()
 
 
-def stop_serve(serve) -> bool:
-    """serve.shutdown(), unless the Ray this process started stops under it: a SIGTERM to the whole process group
-    (`kill -- -PGID`, systemd's default stop) reaches its raylet and GCS too, and Serve would wait 30 s for a
-    controller that is already gone. False in that case."""
+def stop_serve() -> bool:
+    """Serve shut down (shut_down_serve), unless the Ray this process started stops under it: a SIGTERM to the whole
+    process group (`kill -- -PGID`, systemd's default stop) reaches its raylet and GCS too, and Serve would wait 30 s
+    for a controller that is already gone. False in that case."""
     import ray
 
-    stopping = threading.Thread(target=serve.shutdown, name="serve-shutdown", daemon=True)
+    from .app import shut_down_serve
+
+    stopping = threading.Thread(target=shut_down_serve, name="serve-shutdown", daemon=True)
     stopping.start()
     node = getattr(ray._private.worker, "_global_node", None)  # (None when this process joined a running cluster)
     while stopping.is_alive():

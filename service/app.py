@@ -270,6 +270,27 @@ def build_app(settings: Settings):
     return LogProbsIngress.bind(settings, keeper.bind(settings))
 
 
+def shut_down_serve() -> None:
+    """serve.shutdown() without the line Ray printed on every stop, "(raylet) Task ServeController.graceful_shutdown
+    failed. There are infinite retries remaining": Serve's shutdown waits on a task of its controller that ends only
+    with the controller's death, and Ray retries the controller's tasks without end, so it reported that death as a
+    failure to be retried. The same task is asked for here first, with no retry: its RayActorError is the controller
+    gone, as Serve expects; serve.shutdown() then finds it gone and lets go of it."""
+    import ray
+    from ray import serve
+
+    try:
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        ray.get(controller.graceful_shutdown.options(max_task_retries=0).remote(), timeout=30)
+    except ray.exceptions.RayActorError:  # (the controller exits when it is done: the shutdown's end)
+        pass
+    except (ImportError, ValueError, ray.exceptions.GetTimeoutError):  # (a Ray that moved the name; no controller;
+        pass  # one that takes longer: Serve's own shutdown, with its wait and warning)
+    serve.shutdown()
+
+
 def app_builder(args: dict):
     """For `serve deploy` / `serve run`: import_path ppo_logprobs.service.app:app_builder, with the Settings as
     the application's args (PPO_LOGPROBS_* environment variables fill what args leave out)."""
