@@ -87,6 +87,18 @@ def _no_other_nodes(record: logging.LogRecord) -> bool:
     return "won't accept connections from HAProxy on other nodes" not in record.getMessage()
 
 
+def _refusals_in_one_line(record: logging.LogRecord) -> bool:
+    """Serve's controller logs a replica whose constructor raised with the whole traceback, Serve's frames and ours
+    (44 lines where a keeper's workers refused their model). Where the cause is one of ppo_logprobs' own errors, whose
+    message says all (IncompatibleWeights naming the tensor, say), the record keeps only that line."""
+    error = record.exc_info[1] if record.exc_info else None
+    last = str(error).rstrip().rsplit("\n", 1)[-1] if error is not None else ""
+    if last.startswith(f"{__package__.rsplit('.', 1)[0]}.workers.errors."):
+        record.msg, record.args = f"{record.getMessage().rstrip('.')}: {last}", ()
+        record.exc_info = record.exc_text = None
+    return True
+
+
 def setup_worker() -> None:
     """Ray's worker_process_setup_hook for `ppo-logprobs serve`: runs in every Ray worker process it starts."""
     from ray.serve._private import haproxy
@@ -100,6 +112,7 @@ def setup_worker() -> None:
         # (Serve's controller warns, at every start, that HAProxy on other nodes cannot reach a replica on loopback:
         # a service on loopback keeps Ray there too, so it has no other nodes)
         logging.getLogger("ray.serve").addFilter(_no_other_nodes)
+    logging.getLogger("ray.serve").addFilter(_refusals_in_one_line)
     haproxy.HAPROXY_CONFIG_TEMPLATE = edge_template(haproxy.HAPROXY_CONFIG_TEMPLATE, edge)
 
 
