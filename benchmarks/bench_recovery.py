@@ -22,6 +22,7 @@ import ray
 from ray import serve
 
 from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.service.app import shut_down_serve
 
 
 def main() -> None:
@@ -61,7 +62,7 @@ def main() -> None:
         assert answer.status_code == 200 and answer.json()["results"] == expected, answer.text[:300]
         rows.append(dict(ready_s=ready, answered_s=answered))
         print(f"kill {len(rows)}: ready again after {ready:.2f} s, answered right after {answered:.2f} s", flush=True)
-    serve.shutdown()
+    shut_down_serve()
     out = dict(date=time.strftime("%Y-%m-%d"), model=args.model, first_answer_s=first, kills=rows,
                median_ready_s=statistics.median(r["ready_s"] for r in rows),
                max_answered_s=max(r["answered_s"] for r in rows))

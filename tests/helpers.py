@@ -16,6 +16,7 @@ import torch
 from ray import serve
 
 from ppo_logprobs.service import build_app
+from ppo_logprobs.service.app import shut_down_serve
 from ppo_logprobs.workers import load_model, patch_model
 from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 
@@ -147,7 +148,7 @@ def serving(num_cpus, apps):
                 serve.run_many(targets)
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        shut_down_serve()
         ray.shutdown()
 
 
