@@ -19,6 +19,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from ppo_logprobs.service import Settings, build_app
+from ppo_logprobs.service.app import shut_down_serve
 from ppo_logprobs.workers import load_model
 from ppo_logprobs.workers.wire import BINARY, decode_binary
 
@@ -30,7 +31,7 @@ def cluster():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
     ray.init(address=cluster.address, log_to_driver=False)
     yield cluster
-    serve.shutdown()
+    shut_down_serve()
     ray.shutdown()
     cluster.shutdown()
 

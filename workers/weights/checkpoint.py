@@ -124,7 +124,7 @@ def read_index(path: str) -> dict[str, TensorSpec]:
 
 def check_shards(path: str) -> None:
     """The checkpoint directory at `path` checked as read_index checks it (InvalidCheckpoint naming the shard) where
-    it has safetensors shards; one of pytorch_model*.bin files passes unread."""
+    it has safetensors shards; a directory of pytorch_model*.bin files passes unread."""
     if any(checkpoint_dir(path).glob("*.safetensors")):
         read_index(path)
 
