@@ -170,12 +170,19 @@ def _forward_for_ppo(
     if pieces is not None and (input_ids.shape[0] != 1 or attention_mask is not None or scored_labels is None):
         raise ValueError("a row laid out in pieces (shared prefixes) is one row, with position_ids, scored and "
                          "scored_labels (a node's last position predicts a token for each child)")
+    # the head checks values again (one more wait on the device, in the middle of the call) only where some are not
+    # checked here: the labels are input_ids' or scored_labels, but a rank's part of the vocabulary, a head with fewer
+    # rows than the embedding, and temperature and candidate tensors are the head's to check
+    head_checks = False
     if not checked_inputs:  # (before any kernel: an id the embedding does not have is named here, not an
-        # IndexError or a device-side assert in its lookup; the head checks labels and temperatures again)
+        # IndexError or a device-side assert in its lookup)
         rows = self.get_input_embeddings().weight.shape[0]
+        vocab = self.get_output_embeddings().weight.shape[0]
         check_ids(input_ids, rows, "input_ids", where=None if attention_mask is None else attention_mask.bool())
         if scored_labels is not None:
-            check_ids(scored_labels, self.get_output_embeddings().weight.shape[0], "scored_labels", _IGNORE)
+            check_ids(scored_labels, vocab, "scored_labels", _IGNORE)
+        head_checks = (process_group is not None or rows > vocab or token_ids is not None
+                       or isinstance(temperature, Tensor) or scored_temperature is not None)
     segments = None if pieces is not None else packed_segments(position_ids)
     labels = next_token_labels(input_ids, attention_mask, segments)  # [B, T]
     if segments is not None and attention_mask is not None:
@@ -220,7 +227,7 @@ def _forward_for_ppo(
         token_ids = token_ids if wanted is None else token_ids[wanted]
     out = fused_log_probs(
         hidden, self.get_output_embeddings().weight, labels, temperature, ignore_index=_IGNORE, backend=backend,
-        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=not checked_inputs,
+        softcap=softcap, compute_entropy=compute_entropy, process_group=process_group, check_values=head_checks,
         top_k=top_k, token_ids=token_ids,
     )
     fields = dict(zip(("log_probs", "entropy"), out, strict=False))

@@ -142,6 +142,48 @@ def test_an_id_outside_the_vocabulary_is_named_before_the_body_runs(monkeypatch)
               scored=torch.tensor([0, 1]), scored_labels=torch.tensor([6, 97]))
 
 
+def test_a_head_with_fewer_rows_than_the_embedding_still_names_a_label_it_does_not_have():
+    """An id the embedding has but the head does not passes the check at the start; as a label the head refuses it
+    by position and value (the head checks the labels again only where the start's check does not cover them)."""
+    model = tiny("qwen2")
+    model.lm_head = nn.Linear(32, 90, bias=False)
+    model = patch_model(model)
+    with pytest.raises(ValueError, match=r"labels\[1\] = 93 is outside the vocabulary \[0, 90\)"):
+        model(input_ids=torch.tensor([[5, 6, 93]]))
+    with torch.no_grad():  # (as the first token, 93 is no one's label)
+        assert model(input_ids=torch.tensor([[93, 5, 6, 7]])).log_probs.shape == (1, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_trainers_forward_waits_on_the_device_once_for_its_checks():
+    """A forward on inputs that no caller checked (a trainer's) checks its ids before any kernel; the head does not
+    wait on the device again for the labels, which are those ids (the GPU would idle in the middle of the call while
+    the host launches the head). A temperature tensor is still the head's to check."""
+    import warnings
+
+    model = load_model("tiny", dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 503, (2, 300), device="cuda")
+    t = torch.full((2, 300), 0.7, device="cuda")
+
+    def checks(**kw) -> int:  # the waits check_ids and the head's checks make (fused_log_probs.py's lines)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with torch.no_grad():
+                    model(input_ids=ids, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) and w.filename.endswith("fused_log_probs.py") for w in caught)
+
+    with torch.no_grad():
+        model(input_ids=ids, temperature=t)  # (the kernels built)
+    assert checks() == 1
+    assert checks(temperature=t) == 3  # (the ids; the head's labels and temperatures)
+
+
 def test_load_round_trips_through_save_pretrained(tmp_path):
     model = load_model("tiny", dtype=torch.float32, backend="torch")
     ids, mask = batch("right", vocab=model.config.vocab_size)
