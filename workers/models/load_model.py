@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from ..errors import IncompatibleWeights, InvalidCheckpoint, clip
 from ..head import Backend
@@ -17,6 +21,7 @@ TINY_CONFIG = dict(
     vocab_size=503, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
 )
+log = logging.getLogger(__name__)
 
 
 def _tiny_model(attn_implementation: str | None) -> nn.Module:
@@ -26,6 +31,27 @@ def _tiny_model(attn_implementation: str | None) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return Qwen2ForCausalLM(config)
+
+
+def _not_a_load_report(record: logging.LogRecord) -> bool:
+    return "LOAD REPORT" not in str(record.msg)
+
+
+@contextmanager
+def _quiet_hf_loading():
+    """HF's progress bar (a line per worker in the service's log) and its load report off while it reads a
+    directory: the report's mismatched and missing tensors are load_model's one-line errors, its unused tensors a
+    one-line warning."""
+    hf = logging.getLogger("transformers.modeling_utils")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    hf.addFilter(_not_a_load_report)
+    try:
+        yield
+    finally:
+        hf.removeFilter(_not_a_load_report)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(
@@ -88,10 +114,11 @@ def load_model(
         check_shards(str(name_or_path))  # InvalidCheckpoint naming the shard (HF raised safetensors' own error)
         # (HF left a tensor of another shape, or one the checkpoint lacks, as initialised: random, with a report in
         # the log; a mismatch raised an error that pointed to the report)
-        model, loaded = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
-            output_loading_info=True, ignore_mismatched_sizes=True,
-        )
+        with _quiet_hf_loading():
+            model, loaded = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=dtype or "auto", attn_implementation=attn_implementation, local_files_only=True,
+                output_loading_info=True, ignore_mismatched_sizes=True,
+            )
         where = clip(str(name_or_path), 200)
         if loaded["mismatched_keys"]:
             name, theirs, mine = sorted(loaded["mismatched_keys"])[0]
@@ -100,6 +127,10 @@ def load_model(
         if loaded["missing_keys"]:
             missing = sorted(loaded["missing_keys"])
             raise IncompatibleWeights(f"{where!r} lacks {len(missing)} of the model's parameters, e.g. {missing[0]!r}")
+        if loaded["unexpected_keys"]:  # e.g. a value head saved beside the policy
+            unused = sorted(loaded["unexpected_keys"])
+            log.warning("%r has %d tensors the model does not use, left unread: %s", where, len(unused),
+                        clip(", ".join(map(repr, unused)), 300))
     if shard is not None:
         cut_model(model, *shard)
     if process_group is not None:

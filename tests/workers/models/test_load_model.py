@@ -203,10 +203,30 @@ REFUSALS = [
     "missing", "a-file", "empty-directory", "config-only", "truncated", "other-shapes", "a-tensor-short",
     "unsupported-family", "unknown-config",
     "unsupported-config", "shard-missing", "shard-config-only", "shard-unsupported-family", "shard-indivisible"])
-def test_refusals_name_the_path_or_the_reason(tmp_path, case, error, message):
+def test_refusals_name_the_path_or_the_reason(tmp_path, capfd, case, error, message):
     path, options = case(tmp_path)
+    capfd.readouterr()
     with pytest.raises(error, match=message.replace("{path}", re.escape(path))):
         load_model(path, **options)
+    printed = "".join(capfd.readouterr())
+    assert "LOAD REPORT" not in printed and "Loading weights" not in printed, printed  # HF's, above the one line
+
+
+def test_tensors_the_model_does_not_use_are_named_in_one_warning(tmp_path, capfd, caplog):
+    """A value head saved beside the policy loads (HF leaves it unread) and is said in one line, not HF's table."""
+    source = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG))
+    path = saved(source, tmp_path / "critic")
+    tensors = safetensors.torch.load_file(tmp_path / "critic" / "model.safetensors")
+    tensors |= {"v_head.summary.weight": torch.ones(1, 64), "v_head.summary.bias": torch.ones(1)}
+    safetensors.torch.save_file(tensors, tmp_path / "critic" / "model.safetensors", metadata={"format": "pt"})
+    capfd.readouterr()
+    with caplog.at_level("WARNING", logger="ppo_logprobs"):
+        assert_same_parameters(load_model(path), source.eval())
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("ppo_logprobs")] == [
+        f"{path!r} has 2 tensors the model does not use, left unread: 'v_head.summary.bias', 'v_head.summary.weight'"]
+    printed = "".join(capfd.readouterr())
+    assert "LOAD REPORT" not in printed and "Loading weights" not in printed, printed
+    assert transformers.utils.logging.is_progress_bar_enabled()  # the caller's settings back
 
 
 @pytest.fixture
