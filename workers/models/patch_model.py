@@ -179,8 +179,8 @@ def _forward_for_ppo(
         rows = self.get_input_embeddings().weight.shape[0]
         vocab = self.get_output_embeddings().weight.shape[0]
         check_ids(input_ids, rows, "input_ids", where=None if attention_mask is None else attention_mask.bool())
-        if scored_labels is not None:
-            check_ids(scored_labels, vocab, "scored_labels", _IGNORE)
+        if scored_labels is not None and process_group is None:  # (a rank's head holds part of the vocabulary:
+            check_ids(scored_labels, vocab, "scored_labels", _IGNORE)  # the head checks them against the whole)
         head_checks = (process_group is not None or rows > vocab or token_ids is not None
                        or isinstance(temperature, Tensor) or scored_temperature is not None)
     segments = None if pieces is not None else packed_segments(position_ids)

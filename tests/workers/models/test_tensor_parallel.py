@@ -94,10 +94,17 @@ def scores_as_the_whole(source, ids):
     """(the whole model, this rank's scores): `source` loaded whole and as this rank's part, scoring alike."""
     whole = load_model(source, backend="torch")
     part = load_model(source, backend="torch", process_group=dist.group.WORLD)
+    vocab = whole.config.vocab_size
+    # labels given for chosen positions: the last id is a row of the last rank's part of the head only
+    chosen = dict(scored=torch.tensor([3, ids.numel() - 2]), scored_labels=torch.tensor([vocab - 1, 7]))
     with torch.no_grad():
         want, got = whole(input_ids=ids), part(input_ids=ids)
-    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=0, atol=1e-5)
-    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=1e-5)
+        want_chosen, got_chosen = whole(input_ids=ids, **chosen), part(input_ids=ids, **chosen)
+        with pytest.raises(ValueError, match=rf"labels\[0\] = {vocab} is outside the vocabulary \[0, {vocab}\)"):
+            part(input_ids=ids, scored=chosen["scored"], scored_labels=torch.tensor([vocab, 7]))
+    for a, b in ((got, want), (got_chosen, want_chosen)):
+        torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.entropy, b.entropy, rtol=0, atol=1e-5)
     return whole, got
 
 
