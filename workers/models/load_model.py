@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from ..errors import IncompatibleWeights, InvalidCheckpoint, clip
 from ..head import Backend
-from ..weights.checkpoint import check_shards, checkpoint_dir, read_checkpoint
+from ..weights.checkpoint import check_shards, checkpoint_dir, read_checkpoint, say_unused
 from .patch_model import allow_split_k, patch_model
 from .tensor_parallel import build_sharded, connect, cut_model
 
@@ -21,7 +21,6 @@ TINY_CONFIG = dict(
     vocab_size=503, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
 )
-log = logging.getLogger(__name__)
 
 
 def _tiny_model(attn_implementation: str | None) -> nn.Module:
@@ -128,9 +127,7 @@ def load_model(
             missing = sorted(loaded["missing_keys"])
             raise IncompatibleWeights(f"{where!r} lacks {len(missing)} of the model's parameters, e.g. {missing[0]!r}")
         if loaded["unexpected_keys"]:  # e.g. a value head saved beside the policy
-            unused = sorted(loaded["unexpected_keys"])
-            log.warning("%r has %d tensors the model does not use, left unread: %s", where, len(unused),
-                        clip(", ".join(map(repr, unused)), 300))
+            say_unused(name_or_path, loaded["unexpected_keys"])
     if shard is not None:
         cut_model(model, *shard)
     if process_group is not None:

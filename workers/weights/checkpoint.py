@@ -6,11 +6,13 @@ pinned host buffers when the destination is on CUDA, with no CPU copy of the who
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import stat
 import struct
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,9 @@ from .keep import PARTS_FILE
 from .pinned import CHUNK_BYTES, READ_THREADS, copy_through_pinned, pinned_slots
 from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, rank_parts
 
+log = logging.getLogger(__name__)
 _MAX_HEADER = 100 << 20
+_OLD_BUFFERS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)position_ids)$")  # (saved by transformers before 4.31)
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 
@@ -191,6 +195,10 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
     tensor per expert); every refusal raised before any data is read."""
     raw = read_index(path)
     index, pieces = _fused_experts(model, raw)
+    unused = unused_tensors(model, index)
+    if unused and len(unused) < len(index):  # (none of the model's: match_model says so)
+        say_unused(path, unused)
+        index = {name: spec for name, spec in index.items() if name not in unused}
     if _holds_parts(model, path):  # a tensor-parallel rank's local copy of its own parts
         parts = {name: (name, None) for name in index}
     else:
@@ -202,6 +210,32 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
     return {**raw, **index}, layout, parts, pieces  # (the experts' own tensors too: read_checkpoint reads them)
+
+
+def unused_tensors(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """The checkpoint tensors among `names` that the model has no place for and that say nothing against it, left
+    unread as HF's loader leaves them: tensors under no module of the model (a value head saved beside the policy),
+    buffers older transformers saved (each layer's rotary frequencies), and those the model's class tells HF to
+    ignore. A tensor under a module the model has (a norm or a bias it lacks: another architecture, or a layer past
+    its last) is not among them: match_model refuses it."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+
+    def outside(name: str) -> bool:
+        path = name.split(".")[:-1]
+        return not any(".".join(path[:i]) in modules for i in range(1, len(path) + 1))
+
+    return {name for name in names if name not in params and (
+        name in buffers or _OLD_BUFFERS.search(name) or any(p.search(name) for p in ignored) or outside(name))}
+
+
+def say_unused(path: str, names: Iterable[str]) -> None:
+    """One warning line naming the tensors of the checkpoint at `path` that were left unread."""
+    names = sorted(names)
+    log.warning("%r has %d tensors the model does not use, left unread: %s", clip(str(path), 200), len(names),
+                clip(", ".join(map(repr, names)), 300))
 
 
 def _holds_parts(model: nn.Module, path: str) -> bool:

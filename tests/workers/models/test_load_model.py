@@ -222,8 +222,12 @@ def test_tensors_the_model_does_not_use_are_named_in_one_warning(tmp_path, capfd
     capfd.readouterr()
     with caplog.at_level("WARNING", logger="ppo_logprobs"):
         assert_same_parameters(load_model(path), source.eval())
+        part = load_model(path, shard=(1, 2))  # (a tensor-parallel rank's parts, read by read_checkpoint)
+    for name, p in params(part).items():
+        assert torch.equal(p, shard_of(name, params(source)[name], 1, 2, source.config)), name
     assert [r.getMessage() for r in caplog.records if r.name.startswith("ppo_logprobs")] == [
-        f"{path!r} has 2 tensors the model does not use, left unread: 'v_head.summary.bias', 'v_head.summary.weight'"]
+        f"{path!r} has 2 tensors the model does not use, left unread: 'v_head.summary.bias', 'v_head.summary.weight'"
+    ] * 2
     printed = "".join(capfd.readouterr())
     assert "LOAD REPORT" not in printed and "Loading weights" not in printed, printed
     assert transformers.utils.logging.is_progress_bar_enabled()  # the caller's settings back

@@ -58,6 +58,46 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path, config, message):
         read_checkpoint(load_model("tiny"), path)
 
 
+def with_tensors(path, **extra):
+    """The checkpoint at `path` with `extra` tensors added to its one shard."""
+    from safetensors.torch import load_file, save_file
+
+    shard = os.path.join(path, "model.safetensors")
+    save_file(load_file(shard) | extra, shard, metadata={"format": "pt"})
+    return path
+
+
+def test_tensors_the_model_has_no_place_for_are_left_unread_as_hf_leaves_them(tmp_path, caplog):
+    """A value head beside the policy and an old rotary buffer: a reload (and a tensor-parallel rank's read) takes
+    the checkpoint as HF's loader does, bitwise, naming them in one line; it refused them before."""
+    source = perturbed(4)
+    path = with_tensors(save(source, tmp_path / "critic"), **{
+        "v_head.summary.weight": torch.ones(1, 64), "model.layers.1.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    model = load_model("tiny", backend="torch")
+    with caplog.at_level("WARNING", logger="ppo_logprobs"):
+        read_checkpoint(model, path).commit(model)
+    for name, p in params(source).items():
+        assert torch.equal(params(model)[name], p), name
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path!r} has 2 tensors the model does not use, left unread: "
+        "'model.layers.1.self_attn.rotary_emb.inv_freq', 'v_head.summary.weight'"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"model.layers.0.mlp.down_proj.bias": torch.ones(64)},  # a module of the model, a parameter it lacks
+     r"the checkpoint has 1 tensors the model does not, e.g. 'model.layers.0.mlp.down_proj.bias'"),
+    ({"model.layers.1.self_attn.q_norm.weight": torch.ones(16)},  # Qwen3's q norm: a module it lacks under its own
+     r"the checkpoint has 1 tensors the model does not, e.g. 'model.layers.1.self_attn.q_norm.weight'"),
+    ({"model.layers.2.v_head.weight": torch.ones(1, 64)},  # a layer past the model's last
+     r"the checkpoint has 1 tensors the model does not, e.g. 'model.layers.2.v_head.weight'; the checkpoint has 3 "
+     "layers, the model 2"),
+])
+def test_tensors_that_say_the_checkpoint_is_another_models_are_still_refused(tmp_path, extra, message):
+    path = with_tensors(save(perturbed(4), tmp_path / "other"), **extra)
+    with pytest.raises(IncompatibleWeights, match=message):
+        read_checkpoint(load_model("tiny", backend="torch"), path)
+
+
 def test_a_checkpoint_missing_parameters_is_refused(tmp_path):
     from safetensors.torch import save_file
 
