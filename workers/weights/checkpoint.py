@@ -28,7 +28,7 @@ from .staging import FILE_DTYPES, Layout, StagedWeights, match_model, rank_parts
 
 log = logging.getLogger(__name__)
 _MAX_HEADER = 100 << 20
-_OLD_BUFFERS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)position_ids)$")  # (saved by transformers before 4.31)
+_OLD_BUFFERS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)position_ids)$")  # (buffers older transformers saved)
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
 

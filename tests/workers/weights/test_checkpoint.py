@@ -78,7 +78,7 @@ def test_tensors_the_model_has_no_place_for_are_left_unread_as_hf_leaves_them(tm
         read_checkpoint(model, path).commit(model)
     for name, p in params(source).items():
         assert torch.equal(params(model)[name], p), name
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("ppo_logprobs")] == [
         f"{path!r} has 2 tensors the model does not use, left unread: "
         "'model.layers.1.self_attn.rotary_emb.inv_freq', 'v_head.summary.weight'"]
 
