@@ -52,7 +52,7 @@ def cu_seq_lens(starts: Tensor) -> tuple[Tensor, int]:
     """Cumulative sequence offsets [S + 1] (int32) of a packed row whose sequences begin where `starts` ([T] bool,
     True at 0) is True, and the longest sequence."""
     begins = torch.nonzero(starts)[:, 0]
-    total = torch.tensor([starts.shape[0]], device=starts.device)
+    total = begins.new_full((1,), starts.shape[0])  # (filled on the device: a copy from the host would wait on it)
     cu = torch.cat([begins, total]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
 
