@@ -196,9 +196,9 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
     raw = read_index(path)
     index, pieces = _fused_experts(model, raw)
     unused = unused_tensors(model, index)
-    if unused and len(unused) < len(index):  # (none of the model's: match_model says so)
-        say_unused(path, unused)
-        index = {name: spec for name, spec in index.items() if name not in unused}
+    if len(unused) == len(index):  # (none of the model's: match_model says so)
+        unused = set()
+    index = {name: spec for name, spec in index.items() if name not in unused}
     if _holds_parts(model, path):  # a tensor-parallel rank's local copy of its own parts
         parts = {name: (name, None) for name in index}
     else:
@@ -209,6 +209,8 @@ def check_checkpoint(model: nn.Module, path: str) -> tuple[dict[str, TensorSpec]
         dtype = index[parts[entry.name][0]].dtype
         if not dtype.is_floating_point:
             raise IncompatibleWeights(f"{entry.name!r} is {dtype} in the checkpoint; the model's is {entry.dtype}")
+    if unused:
+        say_unused(path, unused)
     return {**raw, **index}, layout, parts, pieces  # (the experts' own tensors too: read_checkpoint reads them)
 
 

@@ -92,10 +92,11 @@ def test_tensors_the_model_has_no_place_for_are_left_unread_as_hf_leaves_them(tm
      r"the checkpoint has 1 tensors the model does not, e.g. 'model.layers.2.v_head.weight'; the checkpoint has 3 "
      "layers, the model 2"),
 ])
-def test_tensors_that_say_the_checkpoint_is_another_models_are_still_refused(tmp_path, extra, message):
-    path = with_tensors(save(perturbed(4), tmp_path / "other"), **extra)
+def test_tensors_that_say_the_checkpoint_is_another_models_are_still_refused(tmp_path, caplog, extra, message):
+    path = with_tensors(save(perturbed(4), tmp_path / "other"), **extra, **{"v_head.weight": torch.ones(1, 64)})
     with pytest.raises(IncompatibleWeights, match=message):
         read_checkpoint(load_model("tiny", backend="torch"), path)
+    assert not [r for r in caplog.records if r.name.startswith("ppo_logprobs")]  # (nothing said left unread)
 
 
 def test_a_checkpoint_missing_parameters_is_refused(tmp_path):
