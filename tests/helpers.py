@@ -91,6 +91,15 @@ def save(model, path, **kw) -> str:
     return str(path)
 
 
+def with_tensors(path: str, **extra: torch.Tensor) -> str:
+    """The checkpoint at `path` (one shard, as `save` writes a tiny model) with `extra` tensors added to it."""
+    from safetensors.torch import load_file, save_file
+
+    shard = os.path.join(path, "model.safetensors")
+    save_file(load_file(shard) | extra, shard, metadata={"format": "pt"})
+    return path
+
+
 def example(name: str):
     """examples/<name>.py imported as a module, as a user runs the file (its main() takes the argv)."""
     import importlib.util

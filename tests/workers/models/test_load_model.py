@@ -19,6 +19,7 @@ from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 from ppo_logprobs.workers.models.tensor_parallel import shard_of
 from ppo_logprobs.workers.sharding import Shard, held_shard
 
+from ...helpers import with_tensors
 from .test_patch_model import FAMILIES, tiny
 
 IDS = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(7))
@@ -215,10 +216,8 @@ def test_refusals_name_the_path_or_the_reason(tmp_path, capfd, case, error, mess
 def test_tensors_the_model_does_not_use_are_named_in_one_warning(tmp_path, capfd, caplog):
     """A value head saved beside the policy loads (HF leaves it unread) and is said in one line, not HF's table."""
     source = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG))
-    path = saved(source, tmp_path / "critic")
-    tensors = safetensors.torch.load_file(tmp_path / "critic" / "model.safetensors")
-    tensors |= {"v_head.summary.weight": torch.ones(1, 64), "v_head.summary.bias": torch.ones(1)}
-    safetensors.torch.save_file(tensors, tmp_path / "critic" / "model.safetensors", metadata={"format": "pt"})
+    path = with_tensors(saved(source, tmp_path / "critic"), **{"v_head.summary.weight": torch.ones(1, 64),
+                                                               "v_head.summary.bias": torch.ones(1)})
     capfd.readouterr()
     with caplog.at_level("WARNING", logger="ppo_logprobs"):
         assert_same_parameters(load_model(path), source.eval())

@@ -13,7 +13,7 @@ from ppo_logprobs.workers.models.load_model import TINY_CONFIG
 from ppo_logprobs.workers.weights import checkpoint
 from ppo_logprobs.workers.weights.checkpoint import read_checkpoint, read_index
 
-from ...helpers import perturbed, save
+from ...helpers import perturbed, save, with_tensors
 
 
 def params(model):
@@ -56,15 +56,6 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path, config, message):
     path = save(perturbed(3, **config), tmp_path / "other")
     with pytest.raises(IncompatibleWeights, match=message):
         read_checkpoint(load_model("tiny"), path)
-
-
-def with_tensors(path, **extra):
-    """The checkpoint at `path` with `extra` tensors added to its one shard."""
-    from safetensors.torch import load_file, save_file
-
-    shard = os.path.join(path, "model.safetensors")
-    save_file(load_file(shard) | extra, shard, metadata={"format": "pt"})
-    return path
 
 
 def test_tensors_the_model_has_no_place_for_are_left_unread_as_hf_leaves_them(tmp_path, caplog):
