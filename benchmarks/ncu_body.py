@@ -15,6 +15,8 @@ import argparse
 
 import torch
 import triton
+from bench_attention import row_of  # the same directory
+from bench_mlp import rope
 
 from ppo_logprobs.workers.models import causal_attention as ca
 from ppo_logprobs.workers.models import hopper_gated as hg
@@ -35,11 +37,8 @@ def main() -> None:
     gate, up, down = rand(MIDDLE, HIDDEN, std=0.02), rand(MIDDLE, HIDDEN, std=0.02), rand(HIDDEN, MIDDLE, std=0.02)
     wo, wq, wk, wv = (rand(n, HIDDEN, std=0.02) for n in (HIDDEN, HIDDEN, KV, KV))
     biases = rand(HIDDEN), rand(KV), rand(KV)
-    angles = torch.arange(4096, device="cuda").repeat(8).float()[:, None] * 1e6 ** (
-        -torch.arange(0, 128, 2, device="cuda").float() / 128)
-    cos, sin = (f(torch.cat([angles, angles], 1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
-    q, k, v = rand(ROWS, 28, 128), rand(ROWS, 4, 128), rand(ROWS, 4, 128)
-    cu = torch.arange(0, ROWS + 1, 4096, device="cuda", dtype=torch.int32)
+    cos, sin = rope(ROWS, "cuda", torch.bfloat16)
+    q, k, v, cu = row_of([4096] * (ROWS // 4096), 28, 4, 128, "cuda", torch.bfloat16)
     tiles = ca._tiles(128, torch.bfloat16)
     calls = {
         "gate/up": lambda: hg.middle(x, gate, up),
