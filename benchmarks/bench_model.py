@@ -29,6 +29,7 @@ from ppo_logprobs.workers.models import causal_attention as ca
 from ppo_logprobs.workers.models import fuse_body as body
 from ppo_logprobs.workers.models.fuse_body import fuse_body, unfuse_body
 from ppo_logprobs.workers.models.patch_model import allow_split_k
+from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
 
 QWEN25_7B = dict(
     vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -244,7 +245,7 @@ def main() -> None:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)
-    row_sizes = (128,) if args.tiny else (16384, 32768)
+    row_sizes = (128,) if args.tiny else (MAX_TOKENS_PER_BATCH, 32768)  # (the default's rows first)
     reps = 1 if args.tiny else 3
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
     model.config._attn_implementation = args.attn

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool
+from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
 
 
 def rollouts(n: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -54,7 +55,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--save-random")
     parser.add_argument("--shape", choices=["7b", "1.5b"], default="7b", help="of --save-random's Qwen2.5 model")
-    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS_PER_BATCH)
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.save_random:

@@ -25,6 +25,7 @@ import torch
 from bench_pool import rollouts  # the same directory
 
 from ppo_logprobs.workers import WorkerPool, load_model
+from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
 
 
 class Trainer:
@@ -97,12 +98,12 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--rollouts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS_PER_BATCH)
     parser.add_argument("--bucket-mib", type=int, help="default: the sender's (512 MiB buckets over NCCL, one by IPC)")
     local_copy_flag(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
-    changed = non_defaults(args, dict(max_tokens=16384, bucket_mib=None, local_copy="default"))
+    changed = non_defaults(args, dict(max_tokens=MAX_TOKENS_PER_BATCH, bucket_mib=None, local_copy="default"))
     tiny = args.model == "tiny"
     gpus = torch.cuda.device_count()
     options = dict(backend="torch") if tiny else dict(dtype=torch.bfloat16)

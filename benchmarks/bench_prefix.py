@@ -29,6 +29,7 @@ from bench_model import QWEN25_7B, TINY, build
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
+from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
 
 
 def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[list[int]], list[int]]:
@@ -86,12 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run with a tiny config")
     parser.add_argument("--fast", action="store_true", help="the fast mode (patch_model(invariant=False))")
-    parser.add_argument("--max-tokens", type=int, default=16384, help="the worker's max_tokens_per_batch")
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS_PER_BATCH, help="a worker's max_tokens_per_batch")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pool", metavar="PATH", help="through two pools of this checkpoint, not a LogProbWorker")
     parser.add_argument("--out")
     args = parser.parse_args()
-    defaults = dict(fast=False, max_tokens=16384, reps=3, pool=None)
+    defaults = dict(fast=False, max_tokens=MAX_TOKENS_PER_BATCH, reps=3, pool=None)
     options = {k: getattr(args, k) for k in defaults if getattr(args, k) != defaults[k]}
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     scale = 32 if args.tiny else 1  # the tiny run: lengths / 32, and a minimum shared of 128 / 32

@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
-from ppo_logprobs.workers.request import MAX_TOKEN_IDS, MAX_TOP_K, RATIO_BOUNDS
+from ppo_logprobs.workers.request import MAX_TOKEN_IDS, MAX_TOKENS_PER_BATCH, MAX_TOP_K, RATIO_BOUNDS
 
 PLACEHOLDER_KEYS = {"CHANGE-ME", "CHANGEME", "CHANGE_ME"}  # a key copied from an example is no secret
 # the dtypes a model computes in, by the names load_model takes (torch's, as HF's config.json writes them), and the
@@ -44,7 +44,8 @@ class Settings(BaseSettings):
         {}, description="custom Ray resources each worker needs, to pin workers to node types"
     )
     max_restarts: int = Field(-1, ge=-1, description="restarts of a dead worker by Ray (-1: always)")
-    max_tokens_per_batch: int = Field(16384, ge=1, description="tokens per forward in a worker (max length too)")
+    max_tokens_per_batch: int = Field(MAX_TOKENS_PER_BATCH, ge=1,
+                                      description="tokens per forward in a worker (max length too)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
                                           "sharing at least this many first tokens compute them once (null: never)")

@@ -23,6 +23,10 @@ MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 1e2
 MAX_TOP_K = 256  # the widest top-k (the fused head's; services may set less)
 MAX_TOKEN_IDS = 1024  # candidate ids in one list
+# A worker's forward by default, and so the longest sequence: 132 x 128 tokens. A full row is then 132 of the body's
+# 128-row tiles (workers/models/hopper_gated.py), so each of its GEMMs is whole waves on the 132 SMs of an H100 or
+# H200 (rows of 16,384 leave the last wave of down and o 58% full; BENCHMARKS.md, 2026-12-07)
+MAX_TOKENS_PER_BATCH = 16896
 
 
 def _value(x) -> str:

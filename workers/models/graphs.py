@@ -24,15 +24,16 @@ import threading
 import torch
 from torch import Tensor, nn
 
+from ..request import MAX_TOKENS_PER_BATCH
 from ..sharding import head_dim, held_shard
 from . import causal_attention, varlen_attention
 
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 128
-MAX_BUCKET = 16384
+MAX_BUCKET = MAX_TOKENS_PER_BATCH  # (a worker's default row: 16,896 tokens)
 # the largest body forward given a graph, in FLOP (2 x body parameters x tokens): ~90 ms at 500 TFLOP/s, where
-# launching one by kernels costs the host 25-40 ms; rows up to 16,384 tokens of the 1.5B shape, ~3.4k of the 7B
+# launching one by kernels costs the host 25-40 ms; rows up to ~17k tokens of the 1.5B shape, ~3.4k of the 7B
 GRAPH_FLOP = 4.5e13
 
 

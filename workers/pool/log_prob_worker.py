@@ -28,7 +28,14 @@ from ..models.patch_model import packed_attention_of
 from ..models.varlen_attention import Keys, Pieces
 from ..outputs import asked
 from ..prefixes import MIN_SHARED_PREFIX, Forest, forest, row_plan
-from ..request import ScoreRequest, ScoreResult, ScoringOptions, SequenceScores, ragged_index
+from ..request import (
+    MAX_TOKENS_PER_BATCH,
+    ScoreRequest,
+    ScoreResult,
+    ScoringOptions,
+    SequenceScores,
+    ragged_index,
+)
 from ..sharding import held_shard
 from ..weights.checkpoint import read_checkpoint
 from ..weights.holder import WeightsHolder
@@ -127,9 +134,9 @@ class LogProbWorker:
     """
 
     def __init__(
-        self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = 16384, layout: Layout | None = None,
-        row_buckets: bool | None = None, restore: dict | None = None, keep_dir: str | None = None,
-        keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None,
+        self, model: str | torch.nn.Module = "tiny", *, max_tokens_per_batch: int = MAX_TOKENS_PER_BATCH,
+        layout: Layout | None = None, row_buckets: bool | None = None, restore: dict | None = None,
+        keep_dir: str | None = None, keep_streams: bool = False, on_kept: Callable[[int, str], None] | None = None,
         min_shared_prefix: int | None = MIN_SHARED_PREFIX, cuda_graphs: bool = True, **load_options,
     ) -> None:
         if max_tokens_per_batch < 1:

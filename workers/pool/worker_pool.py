@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..errors import WeightsUnavailable, WorkerLost, cause, get
 from ..prefixes import forest
 from ..request import (
+    MAX_TOKENS_PER_BATCH,
     RATIO_BOUNDS,
     Parts,
     ScoreRequest,
@@ -215,7 +216,7 @@ class WorkerPool:
         num_gpus_per_worker: float | None = None,
         tensor_parallel: int | None = None,
         name: str | None = None,
-        max_tokens_per_batch: int = 16384,
+        max_tokens_per_batch: int = MAX_TOKENS_PER_BATCH,
         max_restarts: int = -1,
         ready_timeout_s: float = 300.0,
         resources: dict[str, float] | None = None,

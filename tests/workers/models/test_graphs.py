@@ -15,8 +15,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_buckets_are_an_eighth_apart_and_end_at_the_limit():
-    sizes = buckets(16384)
-    assert sizes[0] == MIN_BUCKET and sizes[-1] == MAX_BUCKET == 16384 and len(sizes) == 40
+    sizes = buckets(16896)
+    assert sizes[0] == MIN_BUCKET and sizes[-1] == MAX_BUCKET == 16896 and len(sizes) == 41 and sizes[-2] == 16384
     gaps = np.diff(sizes)
     assert (gaps > 0).all() and (gaps <= np.maximum(MIN_BUCKET, np.array(sizes[:-1]) // 8)).all()
     assert buckets(1000)[-1] == 1000 and buckets(1 << 20)[-1] == MAX_BUCKET
