@@ -223,6 +223,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
     parser.add_argument("--long", type=int, nargs="*", default=[],
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[MAX_TOKENS_PER_BATCH, 32768],
+                        help="the mixed cases' row lengths (the worker's max_tokens_per_batch; the default's first)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
     parser.add_argument("--gluon", choices=["none", "persistent"],
@@ -245,7 +247,7 @@ def main() -> None:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)
-    row_sizes = (128,) if args.tiny else (MAX_TOKENS_PER_BATCH, 32768)  # (the default's rows first)
+    row_sizes = (128,) if args.tiny else args.rows
     reps = 1 if args.tiny else 3
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
     model.config._attn_implementation = args.attn
