@@ -171,6 +171,19 @@ def timed(fn, device: str, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
+def sustained(fn, device: str, seconds: float) -> list[tuple[float, float]]:
+    """fn called back to back for `seconds` after one warm-up: (start, duration) of each call, in seconds."""
+    fn()
+    sync(device)
+    calls, begin = [], time.perf_counter()
+    while time.perf_counter() - begin < seconds:
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        calls.append((start - begin, time.perf_counter() - start))
+    return calls
+
+
 def naive_scores(model, ids, mask):
     logits = type(model).forward(model, input_ids=ids, attention_mask=mask, use_cache=False).logits  # [B, T, V]
     log_p = logits.float().log_softmax(-1)
@@ -221,6 +234,9 @@ def main() -> None:
     parser.add_argument("--worker-only", action="store_true", help="of the mixed cases, only LogProbWorker's")
     parser.add_argument("--attn", default="sdpa", help="attention for the fixed batch and padded batches")
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
+    parser.add_argument("--sustained", type=float, metavar="SECONDS",
+                        help="only the patched 8 x 4096 forward back to back for SECONDS: its calls' median by window "
+                        "(the first 3 calls, as the fixed case times them, then by when they started)")
     parser.add_argument("--long", type=int, nargs="*", default=[],
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--rows", type=int, nargs="+", default=[MAX_TOKENS_PER_BATCH, 32768],
@@ -273,6 +289,16 @@ def main() -> None:
         if args.profile:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
             meta["profile"] = profile(lambda: model(input_ids=ids), device, model.config.num_hidden_layers)
+            args.skip_fixed = args.skip_mixed = True
+        if args.sustained:
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
+            calls = sustained(lambda: model(input_ids=ids), device, args.sustained)
+            windows = [("first 3 calls", [d for _, d in calls[:3]])]
+            for lo, hi in ((3, 10), (10, 20), (20, 40), (40, 60), (60, float("inf"))):
+                windows.append((f"calls started {lo}-{hi} s", [d for t, d in calls if lo <= t < hi]))
+            for name, durations in windows:
+                if durations:
+                    record("sustained", name, batch * seq_len, statistics.median(durations), 0, calls=len(durations))
             args.skip_fixed = args.skip_mixed = True
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
