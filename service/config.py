@@ -44,8 +44,8 @@ class Settings(BaseSettings):
         {}, description="custom Ray resources each worker needs, to pin workers to node types"
     )
     max_restarts: int = Field(-1, ge=-1, description="restarts of a dead worker by Ray (-1: always)")
-    max_tokens_per_batch: int = Field(MAX_TOKENS_PER_BATCH, ge=1,
-                                      description="tokens per forward in a worker (max length too)")
+    max_tokens_per_batch: int = Field(MAX_TOKENS_PER_BATCH, ge=1, description="tokens per forward in a worker (max "
+                                      "length too; 132 x 128: an H100's or H200's GEMM tiles in whole waves)")
     max_request_tokens: int = Field(262144, ge=1, description="tokens in one request")
     min_shared_prefix: int | None = Field(MIN_SHARED_PREFIX, ge=1, description="sequences of one worker call "
                                           "sharing at least this many first tokens compute them once (null: never)")
