@@ -171,16 +171,24 @@ def timed(fn, device: str, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def sustained(fn, device: str, seconds: float) -> list[tuple[float, float]]:
-    """fn called back to back for `seconds` after one warm-up: (start, duration) of each call, in seconds."""
+def sustained(fn, device: str, seconds: float) -> list[tuple[float, float, float]]:
+    """fn called back to back for `seconds` after one warm-up: (start, duration, the device's part) of each call, in
+    seconds; the device's part is between CUDA events at the call's ends (the duration again off CUDA), so that a
+    slower call shows whether the GPU or the host took the time."""
     fn()
     sync(device)
     calls, begin = [], time.perf_counter()
     while time.perf_counter() - begin < seconds:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device == "cuda" else None
         start = time.perf_counter()
+        if events:
+            events[0].record()
         fn()
+        if events:
+            events[1].record()
         sync(device)
-        calls.append((start - begin, time.perf_counter() - start))
+        took = time.perf_counter() - start
+        calls.append((start - begin, took, events[0].elapsed_time(events[1]) / 1e3 if events else took))
     return calls
 
 
@@ -293,12 +301,13 @@ def main() -> None:
         if args.sustained:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
             calls = sustained(lambda: model(input_ids=ids), device, args.sustained)
-            windows = [("first 3 calls", [d for _, d in calls[:3]])]
+            windows = [("first 3 calls", calls[:3])]
             for lo, hi in ((3, 10), (10, 20), (20, 40), (40, 60), (60, float("inf"))):
-                windows.append((f"calls started {lo}-{hi} s", [d for t, d in calls if lo <= t < hi]))
-            for name, durations in windows:
-                if durations:
-                    record("sustained", name, batch * seq_len, statistics.median(durations), 0, calls=len(durations))
+                windows.append((f"calls started {lo}-{hi} s", [c for c in calls if lo <= c[0] < hi]))
+            for name, window in windows:
+                if window:
+                    record("sustained", name, batch * seq_len, statistics.median(c[1] for c in window), 0,
+                           calls=len(window), device_s=statistics.median(c[2] for c in window))
             args.skip_fixed = args.skip_mixed = True
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
