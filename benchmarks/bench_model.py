@@ -171,25 +171,28 @@ def timed(fn, device: str, reps: int) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def sustained(fn, device: str, seconds: float) -> list[tuple[float, float, float]]:
-    """fn called back to back for `seconds` after one warm-up: (start, duration, the device's part) of each call, in
-    seconds; the device's part is between CUDA events at the call's ends (the duration again off CUDA), so that a
-    slower call shows whether the GPU or the host took the time."""
+def sustained(fn, device: str, seconds: float) -> tuple[float, list[tuple[float, float, float, float]]]:
+    """fn called back to back for `seconds` after one warm-up: the loop's start (epoch seconds, to line it up with
+    nvidia-smi's log) and (start, duration, the device's part, the host's part) of each call, in seconds. The
+    device's part is between CUDA events at the call's ends (the duration again off CUDA); the host's is until fn
+    returned, its kernels queued: well under the duration, the host ran ahead of the GPU, so a slower call was the
+    GPU's."""
     fn()
     sync(device)
-    calls, begin = [], time.perf_counter()
+    calls, begin, epoch = [], time.perf_counter(), time.time()
     while time.perf_counter() - begin < seconds:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device == "cuda" else None
         start = time.perf_counter()
         if events:
             events[0].record()
         fn()
+        queued = time.perf_counter() - start
         if events:
             events[1].record()
         sync(device)
         took = time.perf_counter() - start
-        calls.append((start - begin, took, events[0].elapsed_time(events[1]) / 1e3 if events else took))
-    return calls
+        calls.append((start - begin, took, events[0].elapsed_time(events[1]) / 1e3 if events else took, queued))
+    return epoch, calls
 
 
 def naive_scores(model, ids, mask):
@@ -300,14 +303,17 @@ def main() -> None:
             args.skip_fixed = args.skip_mixed = True
         if args.sustained:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
-            calls = sustained(lambda: model(input_ids=ids), device, args.sustained)
+            meta["sustained_epoch"], calls = sustained(lambda: model(input_ids=ids), device, args.sustained)
             windows = [("first 3 calls", calls[:3])]
             for lo, hi in ((3, 10), (10, 20), (20, 40), (40, 60), (60, float("inf"))):
                 windows.append((f"calls started {lo}-{hi} s", [c for c in calls if lo <= c[0] < hi]))
             for name, window in windows:
                 if window:
                     record("sustained", name, batch * seq_len, statistics.median(c[1] for c in window), 0,
-                           calls=len(window), device_s=statistics.median(c[2] for c in window))
+                           calls=len(window), device_s=statistics.median(c[2] for c in window),
+                           host_s=statistics.median(c[3] for c in window))
+            names = ("start", "seconds", "device_s", "host_s")
+            meta["first_calls"] = [dict(zip(names, c, strict=True)) for c in calls[:12]]
             args.skip_fixed = args.skip_mixed = True
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
