@@ -6,7 +6,8 @@ lengths (32 rollouts, prompt 512 + response 64..4000 tokens, arrival order): nai
 2 / 4 / 8, the patched model on padded batches of 8 (it unpads them into one row), on rows packed here (padding
 at the end) attending through flex_attention and through varlen attention, and LogProbWorker.score (the service's
 path: rows packed without padding, prompts unscored, results on the host) in both modes. Prints tokens/s and
-peak memory beyond the model.
+peak memory beyond the model. Each case is called for --warmup seconds (3), then timed by the median of --reps (5)
+calls: a GPU held at its power cap runs its first second or two of load at lower clocks (BENCHMARKS.md).
 
   python benchmarks/bench_model.py --out model.json     # Qwen2.5-7B shape, random bf16 weights, on CUDA
   python benchmarks/bench_model.py --tiny               # a dry run of every path on the CPU, tiny config
@@ -153,10 +154,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device: str, reps: int) -> tuple[float, int]:
-    """(median seconds of reps calls after one warm-up, peak bytes allocated beyond the start)."""
-    fn()
-    sync(device)
+def timed(fn, device: str, reps: int, warmup: float = 0) -> tuple[float, int]:
+    """(median seconds of reps calls, peak bytes allocated beyond the start), after calls for `warmup` seconds (one
+    at least)."""
+    start = time.perf_counter()
+    while True:
+        fn()
+        sync(device)
+        if time.perf_counter() - start >= warmup:
+            break
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -250,6 +256,10 @@ def main() -> None:
                         "(the first 3 calls, as the fixed case times them, then by when they started)")
     parser.add_argument("--long", type=int, nargs="*", default=[],
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="each case's calls before its timed ones (one at least): a GPU at its power cap runs "
+                        "its first second or two of load at lower clocks (BENCHMARKS.md)")
+    parser.add_argument("--reps", type=int, default=5, help="each case's timed calls (their median)")
     parser.add_argument("--rows", type=int, nargs="+", default=[MAX_TOKENS_PER_BATCH, 32768],
                         help="the mixed cases' row lengths (the worker's max_tokens_per_batch; the default's first)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
@@ -275,7 +285,8 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batch, seq_len, prompt, resp, rollouts = (2, 64, 16, (8, 40), 6) if args.tiny else (8, 4096, 512, (64, 4000), 32)
     row_sizes = (128,) if args.tiny else args.rows
-    reps = 1 if args.tiny else 3
+    reps, warmup = (1, 0) if args.tiny else (args.reps, args.warmup)
+    clock = lambda fn: timed(fn, device, reps, warmup)  # noqa: E731
     model = build(TINY if args.tiny else QWEN25_7B, device, dtype)
     model.config._attn_implementation = args.attn
     backend = "torch" if args.tiny else "auto"
@@ -284,7 +295,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     results, meta = [], dict(date=time.strftime("%Y-%m-%d"), device=device, torch=torch.__version__,
                              options={k: v for k, v in vars(args).items()
-                                      if v != parser.get_default(k) and k != "out"})
+                                      if v != parser.get_default(k) and k != "out"},
+                             timing=dict(warmup_s=warmup, reps=reps))
     if device == "cuda":
         meta["attention_tiles"] = ca._tiles(128, dtype)._asdict()
         meta["gpu"] = torch.cuda.get_device_name()
@@ -318,23 +330,23 @@ def main() -> None:
         if not args.skip_fixed:
             ids = torch.randint(0, vocab, (batch, seq_len), generator=g).to(device)
             tokens = batch * seq_len
-            s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
+            s, p = clock(lambda: model.model(input_ids=ids, use_cache=False))
             record("fixed", f"body ({args.attn})", tokens, s, p)
             unfuse_body(model)
-            s, p = timed(lambda: model.model(input_ids=ids, use_cache=False), device, reps)
+            s, p = clock(lambda: model.model(input_ids=ids, use_cache=False))
             record("fixed", f"body, HF forwards ({args.attn})", tokens, s, p)
             fuse_body(model, backend)
             if not args.skip_naive:
-                s, p = timed(lambda: naive_scores(model, ids, None), device, reps)
+                s, p = clock(lambda: naive_scores(model, ids, None))
                 record("fixed", "naive", tokens, s, p)
-            s, p = timed(lambda: model(input_ids=ids), device, reps)
+            s, p = clock(lambda: model(input_ids=ids))
             ref_lp, _ = naive_scores(model, ids[:2], None)  # (two rows: all eight's fp32 logits take 40 GB)
             fused = model(input_ids=ids)
             diff = float((fused.log_probs[:2, :-1] - ref_lp).abs().max())
             record("fixed", "patched (invariant)", tokens, s, p, max_diff_vs_naive=diff)
             del ref_lp, fused
             fast(model, backend)
-            s, p = timed(lambda: model(input_ids=ids), device, reps)
+            s, p = clock(lambda: model(input_ids=ids))
             record("fixed", "patched (fast)", tokens, s, p)
             patch_model(model, backend=backend)
 
@@ -346,20 +358,20 @@ def main() -> None:
             for bs in () if args.skip_naive else (2, 4, 8):
                 batches = list(padded_batches(seqs, bs, device))
                 try:
-                    s, p = timed(lambda b=batches: [naive_scores(model, i, m) for i, m in b], device, reps)
+                    s, p = clock(lambda b=batches: [naive_scores(model, i, m) for i, m in b])
                     record("mixed", f"naive padded x{bs}", real, s, p)
                 except torch.OutOfMemoryError:
                     print(f"naive padded x{bs}: out of memory", flush=True)
             batches = [] if args.worker_only else list(padded_batches(seqs, 8, device))
             if batches:
-                s, p = timed(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches], device, reps)
+                s, p = clock(lambda: [model(input_ids=i, attention_mask=m) for i, m in batches])
                 record("mixed", "patched, padded x8", real, s, p)
             for attention in () if args.worker_only else ("flex", "varlen"):  # patch_model's packed_attention
                 patch_model(model, backend=backend, packed_attention=attention)
                 for r in row_sizes[:1] if attention == "flex" else row_sizes:
                     rows = list(packed_rows(seqs, r, device))
                     fn = lambda rows=rows: [model(input_ids=i, position_ids=q, attention_mask=m) for i, q, m in rows]
-                    s, p = timed(fn, device, reps)
+                    s, p = clock(fn)
                     record("mixed", f"patched, rows of {r} ({attention})", real, s, p, rows=len(rows))
             # the worker's own path: rows packed without padding, prompts unscored, results gathered to the host
             lists = [x.tolist() for x in seqs]
@@ -370,16 +382,16 @@ def main() -> None:
                 for r in row_sizes:
                     if mode == "invariant":  # (the default's CUDA graphs against none, in the same run)
                         worker = LogProbWorker(model, max_tokens_per_batch=r, cuda_graphs=False)
-                        s, p = timed(lambda w=worker: w.score(lists, score_from=prompt), device, reps)
+                        s, p = clock(lambda w=worker: w.score(lists, score_from=prompt))
                         record("mixed", f"worker, rows of {r} ({mode}), no CUDA graphs", real, s, p)
                     worker = LogProbWorker(model, max_tokens_per_batch=r)
-                    s, p = timed(lambda w=worker: w.score(lists, score_from=prompt), device, reps)
+                    s, p = clock(lambda w=worker: w.score(lists, score_from=prompt))
                     worker.stats["rows"] = 0
                     worker.score(lists, score_from=prompt)
                     record("mixed", f"worker, rows of {r} ({mode})", real, s, p, rows=worker.stats["rows"])
                     plain_s = s
                     for k in args.top_k if mode == "invariant" else ():
-                        s, p = timed(lambda w=worker, k=k: w.score(lists, score_from=prompt, top_k=k), device, reps)
+                        s, p = clock(lambda w=worker, k=k: w.score(lists, score_from=prompt, top_k=k))
                         record("mixed", f"worker, rows of {r} ({mode}), top-{k}", real, s, p, vs_plain=s / plain_s)
             patch_model(model, backend=backend)
 
