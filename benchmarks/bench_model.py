@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="only a profile of one patched 8 x 4096 forward")
     parser.add_argument("--sustained", type=float, metavar="SECONDS",
                         help="only the patched 8 x 4096 forward back to back for SECONDS: its calls' median by window "
-                        "(the first 3 calls, as the fixed case times them, then by when they started)")
+                        "(the first 3 calls, as the fixed case timed them before --warmup, then by when they started)")
     parser.add_argument("--long", type=int, nargs="*", default=[],
                         help="also one sequence of each of these lengths (a worker with max_tokens_per_batch = it)")
     parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
