@@ -2,7 +2,8 @@
 heads of up to 128) against torch's FlashAttention varlen kernel on the same row, in one run, with the same run's
 bf16 GEMM rate beside them (4096^3) as the floor; ms, TFLOP/s (causal FLOPs: 4 x keys seen x head size per query
 head) and whether each sequence scored alone keeps its bits in the packed row; and ours again with each call after a
-GEMM of the 7B's MLP size, as inside the model (where the profile finds it slower).
+GEMM of the 7B's MLP size, as inside the model (where the profile finds it slower). The floor's GEMM and each case's
+kernel first run back to back for --warmup seconds (3), past the clock dip of a GPU's first second of load.
 
   python benchmarks/bench_attention.py --out attention.json   # one H200
   python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
@@ -167,6 +168,16 @@ def sm_clock_mhz() -> int | None:
         return None
 
 
+def busy(fn, seconds: float, cuda: bool) -> None:
+    """fn back to back for `seconds` (none off CUDA): a GPU at its power cap runs its first second or two of load at
+    lower clocks (BENCHMARKS.md), which do_bench's 25 ms of warm-up does not cover."""
+    start = time.perf_counter()
+    while cuda and time.perf_counter() - start < seconds:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
@@ -175,6 +186,9 @@ def main() -> None:
                         help="hopper_attention.py's kernel (its forms; default: all) against the Triton kernel at "
                         "its tiling (Hopper), then exit")
     parser.add_argument("--launch", action="store_true", help="a launch's host time on small rows, then exit")
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="the floor's GEMM and each case's kernel back to back for this long before they are "
+                        "timed (0: do_bench's own warm-up alone, as before 2026-12-07)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -185,6 +199,7 @@ def main() -> None:
     floor = None
     if cuda:
         a, b = torch.randn(4096, 4096, device=device, dtype=dtype), torch.randn(4096, 4096, device=device, dtype=dtype)
+        busy(lambda: a @ b, args.warmup, cuda)
         floor = 2 * 4096**3 / time_ms(lambda: a @ b) / 1e9
     if args.gluon is not None:
         if not cuda or torch.cuda.get_device_capability()[0] != 9:
@@ -212,6 +227,7 @@ def main() -> None:
                 except Exception as err:  # noqa: BLE001 (a tiling that does not compile is a finding of the sweep)
                     print(f"{name}: {tiles} {type(err).__name__}: {str(err)[:100]}", flush=True)
             return
+        busy(ours, args.warmup, cuda)
         result = dict(case=name, tokens=sum(lengths), heads=heads, kv_heads=kv_heads, head_dim=d,
                       ours_ms=time_ms(ours), tiles=list(ca._tiles(d, dtype)),
                       sm_clock_mhz=sm_clock_mhz() if cuda else None)
@@ -237,7 +253,8 @@ def main() -> None:
         rows.append(result)
         print(json.dumps(result), flush=True)
     meta = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__, dtype=str(dtype),
-                options={k: v for k, v in vars(args).items() if k != "out" and v})
+                options={k: v for k, v in vars(args).items() if k != "out" and v != parser.get_default(k)},
+                timing=dict(warmup_s=args.warmup if cuda else 0))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
