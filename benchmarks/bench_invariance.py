@@ -37,6 +37,7 @@ from bench_model import fast  # the same directory
 from ppo_logprobs.workers import LogProbWorker, WorkerPool
 from ppo_logprobs.workers.models.fuse_body import unfuse_body
 from ppo_logprobs.workers.models.patch_model import patch_model
+from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
 
 
 def random_lengths(n: int, lo: int, hi: int, seed: int) -> np.ndarray:
@@ -338,7 +339,7 @@ def main() -> None:
             model = patch_model(in_memory(args.model, cuda), **options)  # (a worker warms a module up as given)
         lengths = random_lengths(args.sequences if cuda else 12, 2, 4096 if cuda else 60, seed=0)
         out.update(model=args.model, options={"modes": args.modes} if args.modes != "invariant,fast,hf" else {})
-        budgets = (16384, 32768, 8192) if cuda else (64, 128, 100)
+        budgets = (MAX_TOKENS_PER_BATCH, 32768, 8192) if cuda else (64, 128, 100)  # (a worker's default first)
         worker = LogProbWorker(model, max_tokens_per_batch=max(budgets), **options)
         vocab = worker.model.config.vocab_size
         rng = np.random.default_rng(2)
