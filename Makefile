@@ -62,9 +62,11 @@ test: lint
 test-integrations: $(IVENV)/.installed
 	$(IVENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_verl.py tests/integrations/test_verl_example.py
 
-# the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (docs/security.md)
+# the gateway on the built-in tiny model, on 127.0.0.1:8000, every listener of Ray and Serve on loopback (docs/security.md).
+# `exec`: the service takes the recipe's shell's place, so a SIGTERM to make (which make passes to its child) stops
+# it in order, not only the shell
 serve: install
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(VENV)/bin/ppo-logprobs serve $(ARGS)
+	export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; exec $(VENV)/bin/ppo-logprobs serve $(ARGS)
 
 bench: install
 	$(PY) benchmarks/bench_head.py

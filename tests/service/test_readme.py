@@ -1,20 +1,23 @@
-"""The README's quick start, run as written against a live service (`make serve`'s settings: the tiny model as
-"policy", the default pool name), so that the README cannot drift from what works: its curl command, its Python
-blocks (each in a fresh process, as a user pastes them) and its command-line block. Only the URL is changed, to
-the test's port."""
+"""The README's quick start, run as written against `make serve` itself (the tiny model as "policy", the default
+pool name), so that the README cannot drift from what works: its curl command, its Python blocks (each in a fresh
+process, as a user pastes them) and its command-line block. Only the port is changed, to a free one. Then a SIGTERM
+to make alone (as a supervisor sends it) stops the whole service: before, make's shell died and left the service
+running."""
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from ppo_logprobs.service import Settings
-
-from ..helpers import serving
+from ..helpers import free_port, stop_service, wait_ready
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -28,9 +31,30 @@ def quick_start() -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def url():
-    with serving(3, {"readme": Settings(backend="torch")}) as url:
-        yield url
+def make_serve(tmp_path_factory):
+    """(url, make's process, its log): `make serve ARGS="--port N"` in the repository, with this environment as
+    its .venv (already built: not remade)."""
+    port, venv = free_port(), sys.prefix
+    # (HAProxy's metrics and statistics frontends off Ray's fixed ports, which an HAProxy of the file before may
+    # still hold: test_serve_command.py)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port())}
+    log = tmp_path_factory.mktemp("make-serve") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["make", "serve", f"VENV={venv}", "-o", f"{venv}/.installed", f"ARGS=--port {port}"],
+                                cwd=README.parent, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log)
+        yield url, proc, log
+    finally:
+        stop_service(proc)  # (the last test has stopped it already)
+
+
+@pytest.fixture(scope="module")
+def url(make_serve):
+    return make_serve[0]
 
 
 def run(argv, cwd, **kw):
@@ -57,3 +81,24 @@ def test_the_quick_start_runs_as_written(url, tmp_path):
     run(["bash", "-ec", commands], tmp_path)
     scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
     assert len(scored) == 1 and len(scored[0]["log_probs"]) == 2
+
+
+def test_a_sigterm_to_make_stops_the_service_and_leaves_nothing_behind(make_serve):
+    """After the quick start (pytest runs a file's tests in order): SIGTERM to make's process alone. make passes it
+    to its child, which is the service itself (the recipe execs it), so the service shuts down in order, and make
+    exits once it has; every process the service started (Ray's, HAProxy) is gone soon after."""
+    _, proc, log = make_serve
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("ppo_logprobs.service" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
+    pids = {p.pid for p in started}
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+    deadline = time.monotonic() + 30
+    while (left := [p.info for p in psutil.process_iter(["pid", "cmdline", "status"]) if p.info["pid"] in pids
+                    and p.info["status"] != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for info in left:  # (so that the files after meet no service of this one)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(info["pid"], signal.SIGKILL)
+    assert not left, left
+    assert "shutting down: finishing requests in flight" in log.read_text(), log.read_text()[-3000:]
