@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 import torch
-from bench_moe import ms_timer, timed  # the same directory
+from bench_moe import busy, ms_timer, timed  # the same directory
 
 from ppo_logprobs.workers.models import causal_attention as ca
 
@@ -166,16 +166,6 @@ def sm_clock_mhz() -> int | None:
         return torch.cuda.clock_rate()
     except Exception:  # noqa: BLE001 (no NVML here: the figure is left out)
         return None
-
-
-def busy(fn, seconds: float, cuda: bool) -> None:
-    """fn back to back for `seconds` (none off CUDA): a GPU at its power cap runs its first second or two of load at
-    lower clocks (BENCHMARKS.md), which do_bench's 25 ms of warm-up does not cover."""
-    start = time.perf_counter()
-    while cuda and time.perf_counter() - start < seconds:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 
 import torch
+from bench_moe import busy  # the same directory
 from triton.testing import do_bench
 
 from ppo_logprobs.workers import fused_log_probs
@@ -295,13 +296,20 @@ def main() -> None:
     parser.add_argument("--curve", action="store_true", help="time and memory against N, naive vs triton")
     parser.add_argument("--top-k", action="store_true", help="top-k and candidates against plain (forward, Triton)")
     parser.add_argument("--profile", action="store_true", help="with --top-k: each top-k call's kernels, profiled")
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="the first shape's GEMM back to back for this long before anything is timed (0: "
+                        "do_bench's own warm-up alone, as before 2026-12-07)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     cuda = torch.cuda.is_available()
     meta = dict(gpu=torch.cuda.get_device_properties(0).name if cuda else None, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"))
+                date=time.strftime("%Y-%m-%d"), warmup_s=args.warmup)
     print(f"# {meta}", flush=True)
+    if cuda and args.warmup:  # (the first case timed would otherwise run at the clocks of the card's first second)
+        hidden, weight, _ = make_inputs(*shapes[0][:2], 32768)
+        busy(lambda: hidden @ weight.T, args.warmup, cuda)
+        del hidden, weight
     if args.top_k:
         results = run_top_k(shapes if args.shapes else [(32768, 4096, 151936)], "cuda" if cuda else "cpu")
         if args.profile:

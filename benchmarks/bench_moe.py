@@ -227,6 +227,16 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
     row("ours combine", lambda: gg.combine(out, position.view(tokens, k), weights), 0)
 
 
+def busy(fn, seconds: float, cuda: bool) -> None:
+    """fn back to back for `seconds` (none off CUDA): a GPU at its power cap runs its first second or two of load at
+    lower clocks (BENCHMARKS.md), which do_bench's warm-up (25-100 ms) does not cover."""
+    start = time.perf_counter()
+    while cuda and time.perf_counter() - start < seconds:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+
+
 def ms_timer(cuda: bool, rep: int = 100):
     """fn -> its milliseconds: triton's do_bench (median over `rep` ms of calls) on CUDA, else one call after one."""
     if cuda:
