@@ -304,7 +304,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     cuda = torch.cuda.is_available()
     meta = dict(gpu=torch.cuda.get_device_properties(0).name if cuda else None, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%d"), warmup_s=args.warmup)
+                date=time.strftime("%Y-%m-%d"), warmup_s=args.warmup if cuda else 0)
     print(f"# {meta}", flush=True)
     if cuda and args.warmup:  # (the first case timed would otherwise run at the clocks of the card's first second)
         hidden, weight, _ = make_inputs(*shapes[0][:2], 32768)

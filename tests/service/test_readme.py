@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -90,15 +89,12 @@ def test_a_sigterm_to_make_stops_the_service_and_leaves_nothing_behind(make_serv
     _, proc, log = make_serve
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("ppo_logprobs.service" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
-    pids = {p.pid for p in started}
     proc.send_signal(signal.SIGTERM)
     proc.wait(120)
-    deadline = time.monotonic() + 30
-    while (left := [p.info for p in psutil.process_iter(["pid", "cmdline", "status"]) if p.info["pid"] in pids
-                    and p.info["status"] != psutil.STATUS_ZOMBIE]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for info in left:  # (so that the files after meet no service of this one)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(info["pid"], signal.SIGKILL)
+    _, alive = psutil.wait_procs(started, timeout=30)  # (as test_serve_errors.py waits for a stopped service's)
+    left = [p.cmdline()[:3] for p in alive]
+    for p in alive:  # (so that the files after meet no service of this one)
+        with contextlib.suppress(psutil.Error):
+            p.kill()
     assert not left, left
     assert "shutting down: finishing requests in flight" in log.read_text(), log.read_text()[-3000:]
