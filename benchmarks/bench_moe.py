@@ -3,7 +3,8 @@ mixed-length rollouts: our patched model through LogProbWorker.score (its defaul
 then log_softmax) with its experts as `grouped_mm` and as `eager` loops, in one run; the active-parameter FLOP
 floor beside them (2 x active parameters x tokens at the same run's bf16 GEMM rate). Also how many sequences'
 results differ between scored alone and packed with the others (the invariant mode promises none), and on CUDA
-the memory a call allocates at its peak beyond the weights, ours and HF grouped_mm's.
+the memory a call allocates at its peak beyond the weights, ours and HF grouped_mm's. The floor's GEMM and our call
+each run back to back for --warmup seconds (3) before they are timed, past a GPU's first second of load.
 
   python benchmarks/bench_moe.py --out moe.json         # one H200
   python benchmarks/bench_moe.py --tiny                 # a CPU dry run, tiny config
@@ -229,11 +230,15 @@ def sweep(config: dict, tokens: int, device: str, dtype: torch.dtype, cuda: bool
 
 def busy(fn, seconds: float, cuda: bool) -> None:
     """fn back to back for `seconds` (none off CUDA): a GPU at its power cap runs its first second or two of load at
-    lower clocks (BENCHMARKS.md), which do_bench's warm-up (25-100 ms) does not cover."""
-    start = time.perf_counter()
+    lower clocks (BENCHMARKS.md), which do_bench's warm-up (25-100 ms) does not cover. A long call (a model's
+    forward) ends it soon after `seconds`; short ones queue up to 20 ahead of the device."""
+    start, calls = time.perf_counter(), 0
     while cuda and time.perf_counter() - start < seconds:
-        for _ in range(20):
-            fn()
+        fn()
+        calls += 1
+        if calls % 20 == 0:
+            torch.cuda.synchronize()
+    if cuda:
         torch.cuda.synchronize()
 
 
@@ -256,6 +261,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="no HF baselines (their figures: BENCHMARKS.md)")
     parser.add_argument("--before", action="store_true",
                         help="ours with the Triton grouped kernels too (the path before hopper_grouped), same run")
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="the floor's GEMM and our call back to back for this long before each is timed (0: as "
+                        "before 2026-12-07; HF's baselines follow the floor's warm-up)")
     parser.add_argument("--out")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -273,6 +281,7 @@ def main() -> None:
     floor_rate = None
     if cuda:  # the same run's bf16 GEMM rate, on a shape like the experts' and attention's
         a, b = torch.randn(8192, 2048, device=device, dtype=dtype), torch.randn(2048, 6144, device=device, dtype=dtype)
+        busy(lambda: a @ b, args.warmup, cuda)
         floor_rate = 2 * 8192 * 2048 * 6144 / timed(lambda: a @ b, True, 20)
     if args.profile:
         profile(model, cases["8 x 4096"], cuda, args.tiny)
@@ -294,6 +303,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
         patch_model(model, backend="torch" if args.tiny else "auto")
         worker = LogProbWorker(model)
+        busy(lambda: worker.score(seqs), args.warmup, cuda)
         row["ours_tokens_per_s"] = tokens / timed(lambda: worker.score(seqs), cuda, args.reps)
         if args.before:
             gg.GLUON = False
@@ -317,7 +327,8 @@ def main() -> None:
     meta = dict(model="tiny Qwen3-MoE" if args.tiny else "Qwen3-30B-A3B shape, random bf16", device=device,
                 torch=torch.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
                 active_parameters=active_parameters(config),
-                options={k: v for k, v in vars(args).items() if k != "out" and v and (k, v) != ("reps", 3)})
+                options={k: v for k, v in vars(args).items() if k != "out" and v != parser.get_default(k)},
+                timing=dict(warmup_s=args.warmup if cuda else 0, reps=args.reps))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
