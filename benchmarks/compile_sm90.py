@@ -61,8 +61,8 @@ def _report(compiled) -> tuple[list[str], int]:
         sass = subprocess.run([os.path.join(os.path.dirname(ptxas()), "nvdisasm"), "-c", cubin], capture_output=True,
                               text=True).stdout
     said = [line.split("info    :")[-1].strip() for line in out.stderr.splitlines()
-            if "Used" in line or "spill" in line] + [f"{compiled.metadata.shared} bytes of shared memory (Triton's)",
-                                                     f"wgmma waits {', '.join(waits)}"]
+            if any(word in line for word in ("Used", "spill", "injected"))]  # (injected: a wgmma wait ptxas added)
+    said += [f"{compiled.metadata.shared} bytes of shared memory (Triton's)", f"wgmma waits {', '.join(waits)}"]
     at = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # (an instruction's line: its offset)
     return said, sum(1 for line in sass.splitlines() if at.match(line) and "NOP" not in line)
 

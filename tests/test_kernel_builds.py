@@ -97,20 +97,37 @@ GLUON = [
 ]
 
 GLUON_SCRIPT = READ + r"""
+import os, subprocess, tempfile
+sys.path.insert(0, sys.argv[2])
+from compile_sm90 import ptxas  # (benchmarks/: Triton's own ptxas)
+
+def ptxas_says(k):
+    # what ptxas, building the kernel for sm_90a, tells of it (its info lines)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        said = subprocess.run([ptxas(), "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    return [line for line in said.splitlines() if line.strip()]
+
 for module, name, varying, args in json.loads(sys.argv[1]):
     m = importlib.import_module("ppo_logprobs.workers.models." + module)
     assert set(varying) <= set(getattr(m, name).arg_names), (name, varying)
-    builds = [read(m.compile_sm90(**args, divisible=sixteen, ones=ones))
-              for sixteen, ones in (((), ()), (tuple(varying), ()), ((), tuple(varying)))]
-    print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds)), flush=True)
+    plain = m.compile_sm90(**args)
+    builds = [read(plain)] + [read(m.compile_sm90(**args, divisible=sixteen, ones=ones))
+                              for sixteen, ones in ((tuple(varying), ()), ((), tuple(varying)))]
+    print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds, ptxas=ptxas_says(plain))),
+          flush=True)
 """
 
 
 def built(script: str, kernels: list) -> list[dict]:
     """What `script` prints of each of `kernels`, run in a process without the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(kernels)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(kernels), benchmarks], env=env,
+                          capture_output=True, text=True, timeout=300)
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["kernel"] for r in results] == [k[1] for k in kernels], done.stderr[-3000:]
     return results
@@ -134,11 +151,28 @@ def test_batch_dependent_sizes_do_not_change_a_kernels_build():
     assert results[0]["varying"] == []  # (the top-k combine, whose build did differ, opts out of it)
 
 
-@pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton without its NVIDIA backend")
-@pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
-def test_batch_dependent_sizes_do_not_change_a_gluon_kernels_build():
+@pytest.fixture(scope="module")
+def gluon_builds() -> list[dict]:
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("Triton without its NVIDIA backend")
+    if hopper_kernels() is None:
+        pytest.skip("Triton before 3.6")
+    return built(GLUON_SCRIPT, [(m, k, varying, args) for m, k, varying, modes in GLUON for args in modes])
+
+
+def test_batch_dependent_sizes_do_not_change_a_gluon_kernels_build(gluon_builds):
     """The Gluon kernels (Hopper) in each mode workers launch, built by their module's compile_sm90: alike with the
     batch's sizes divisible by 16, equal to 1 and neither (attention's total_q too, which compile_sm90 otherwise
     takes as divisible)."""
-    for r in built(GLUON_SCRIPT, [(m, k, varying, args) for m, k, varying, modes in GLUON for args in modes]):
+    for r in gluon_builds:
         assert_alike(r)
+
+
+def test_ptxas_adds_no_wgmma_wait_to_a_gluon_kernel(gluon_builds):
+    """ptxas waits for every wgmma in flight before an instruction that reads registers it cannot prove a finished
+    wgmma wrote ("wgmma.wait_group is injected", C7517), and so runs in turn what the kernel was written to overlap:
+    a tried attention form stored its last tile's output under the next tile's first scores, and ptxas made it wait
+    for those scores first (BENCHMARKS.md, 2026-12-07). Each Gluon kernel, in each mode workers launch, builds
+    without one."""
+    for r in gluon_builds:
+        assert not [line for line in r["ptxas"] if "injected" in line], (r["kernel"], r["args"], r["ptxas"])
