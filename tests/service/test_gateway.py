@@ -51,7 +51,7 @@ def server(checkpoint, tokenizer_dir):
     small = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, api_key="s3cret",
                      pool_name="gw-small", **one)
     big = Settings(models={"policy": "tiny"}, backend="torch", max_tokens_per_batch=512, pool_name="gw-big", **one)
-    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=8, pool_name="gw-big",
+    slow = Settings(models={"policy": "tiny"}, backend="torch", max_queue=2, body_timeout_s=15, pool_name="gw-big",
                     max_tokens_per_batch=512, max_top_k=4, max_token_ids=3, tokenizer=tokenizer_dir, **one)
     with serving(6, {"main": main, "small": small, "big": big, "slow": slow}) as url:
         yield url
@@ -617,7 +617,8 @@ def test_graceful_shutdown_finishes_requests_in_flight(server):
 def test_slow_senders_hold_up_no_scoring(server):
     """80 connections that send their headers, then a byte of their body now and then (more than the 66 requests a
     replica of this app held at once before): a normal request is answered before any of them, and each of them
-    gets a 408 once its body deadline (8 s) has passed."""
+    gets a 408 once its body deadline (15 s) has passed. (At 8 s the 408s came first once, the normal answer taking
+    over 7 s on a 2-core machine with the suite's lanes and a compile beside it.)"""
     host, port = server.removeprefix("http://").split(":")
     order, detail = [], []
 
