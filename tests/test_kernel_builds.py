@@ -114,7 +114,7 @@ def ptxas_says(k):
 for module, name, varying, args in json.loads(sys.argv[1]):
     m = importlib.import_module("ppo_logprobs.workers.models." + module)
     assert set(varying) <= set(getattr(m, name).arg_names), (name, varying)
-    plain = m.compile_sm90(**args)
+    plain = m.compile_sm90(**args, divisible=(), ones=())
     builds = [read(plain)] + [read(m.compile_sm90(**args, divisible=sixteen, ones=ones))
                               for sixteen, ones in ((tuple(varying), ()), ((), tuple(varying)))]
     print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds, ptxas=ptxas_says(plain))),
