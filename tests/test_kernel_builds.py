@@ -97,19 +97,8 @@ GLUON = [
 ]
 
 GLUON_SCRIPT = READ + r"""
-import os, subprocess, tempfile
 sys.path.insert(0, sys.argv[2])
-from compile_sm90 import ptxas  # (benchmarks/: Triton's own ptxas)
-
-def ptxas_says(k):
-    # what ptxas, building the kernel for sm_90a, tells of it (its info lines)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(k.asm["ptx"])
-        said = subprocess.run([ptxas(), "--gpu-name", "sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True).stderr
-    return [line for line in said.splitlines() if line.strip()]
+from compile_sm90 import _report  # (benchmarks/: Triton's own ptxas on a build; its report keeps an injected wait)
 
 for module, name, varying, args in json.loads(sys.argv[1]):
     m = importlib.import_module("ppo_logprobs.workers.models." + module)
@@ -117,7 +106,7 @@ for module, name, varying, args in json.loads(sys.argv[1]):
     plain = m.compile_sm90(**args, divisible=(), ones=())
     builds = [read(plain)] + [read(m.compile_sm90(**args, divisible=sixteen, ones=ones))
                               for sixteen, ones in ((tuple(varying), ()), ((), tuple(varying)))]
-    print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds, ptxas=ptxas_says(plain))),
+    print(json.dumps(dict(kernel=name, args=args, varying=varying, builds=builds, ptxas=_report(plain)[0])),
           flush=True)
 """
 
