@@ -8,7 +8,7 @@ are timed in turn, --rounds times (3), and each one's median reported.
 
   python benchmarks/bench_attention.py --out attention.json   # one H200
   python benchmarks/bench_attention.py --sweep                # the kernel's tilings on the first case
-  python benchmarks/bench_attention.py --gluon                # hopper_attention.py's kernels (Hopper): bits, float64
+  python benchmarks/bench_attention.py --gluon                # hopper_attention.py's forms in turn (Hopper), bits
   python benchmarks/bench_attention.py --launch               # host time of a launch, Triton and Gluon, small rows
   TRITON_INTERPRET=1 python benchmarks/bench_attention.py --tiny   # a CPU dry run
 """
@@ -86,29 +86,45 @@ def suffix_bits_differ(q, k, v, n: int, d: int, tiles=None, launch=None) -> int:
     return differ
 
 
-def gluon_check(time_ms, forms: list[str]) -> None:
+def gluon_check(time_ms, forms: list[str], warmup: float, rounds: int) -> dict:
     """workers/models/hopper_attention.py's forms (Tiles.gluon, Hopper) against the Triton kernel at the same tiling on
-    each case: time, the largest difference, queries with the same bits, queries whose bits differ as suffixes; then
-    against float64 on small segments (with keys shared ahead of two of them), grouped heads, with and without a
-    window."""
+    each case: the largest difference, queries with the same bits (output and log-sum-exp), queries whose bits differ
+    as suffixes, and the time, the kernels in turn within each case, `rounds` times (each after `warmup` seconds of
+    itself, a third of that after the first round), with each form's median ratio to the first's; then against
+    float64 on small segments (with keys shared ahead of two of them), grouped heads, with and without a window."""
     default = ca._tiles(128, torch.bfloat16)._replace(gluon="")  # (the Triton kernel, whatever the default form)
+    found = {}
     for name, (lengths, heads, kv_heads, d) in CASES.items():
         q, k, v, cu = row_of(lengths, heads, kv_heads, d, "cuda", torch.bfloat16)
         flops = 4 * sum(n * (n + 1) / 2 for n in lengths) * heads * d
-        ours = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default)[0]
-        ms = time_ms(lambda: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default))
-        print(f"{name}: {default} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s)", flush=True)
+        ours, ours_lse = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default)
+        calls = {"triton": lambda: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, default)}
+        case = found[name] = {}
         for form in forms:
             tiles = default._replace(gluon=form)
             try:
-                got = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles)[0]
-                ms = time_ms(lambda tiles=tiles: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles))
-                print(f"  {form}: {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s); max |diff| from the default "
-                      f"{float((ours.float() - got.float()).abs().max()):.3g}, queries with its bits "
-                      f"{float((ours == got).all(-1).all(-1).float().mean()):.4f}, queries whose bits differ as "
-                      f"suffixes {suffix_bits_differ(q, k, v, lengths[0], d, tiles)}", flush=True)
+                got, lse = ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles)
             except Exception as err:  # noqa: BLE001 (a form that fails is a finding)
-                print(f"  {form}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                print(f"{name}, {form}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                continue
+            same = (ours == got).all(-1).all(-1) & (ours_lse == lse).all(0)
+            case[form] = dict(max_diff=float((ours.float() - got.float()).abs().max()),
+                              same_bits=float(same.float().mean()),
+                              suffix_bits_differ=suffix_bits_differ(q, k, v, lengths[0], d, tiles))
+            print(f"{name}, {form}: {case[form]}", flush=True)
+            calls[form] = lambda tiles=tiles: ca._launch(q, k, v, cu, cu, max(lengths), d**-0.5, None, tiles)
+        tflops = {kernel: [] for kernel in calls}
+        for r in range(rounds):
+            for kernel, call in (calls.items() if r % 2 == 0 else reversed(calls.items())):
+                busy(call, warmup if r == 0 else warmup / 3, True)
+                tflops[kernel].append(flops / time_ms(call) / 1e9)
+        first = tflops[forms[0]] if forms[0] in tflops else None
+        for kernel, runs in tflops.items():
+            ratio = float(np.median([a / b for a, b in zip(runs, first, strict=True)])) if first else None
+            case.setdefault(kernel, {}).update(tflops=float(np.median(runs)), tflops_rounds=runs,
+                                               **{f"ratio_to_{forms[0]}": ratio})
+            print(f"{name}, {kernel}: {np.median(runs):.1f} TFLOP/s (rounds {' '.join(f'{x:.1f}' for x in runs)})"
+                  + (f", {ratio:.4f} of {forms[0]}'s" if first else ""), flush=True)
     g = torch.Generator(device="cuda").manual_seed(1)
     q_lengths, k_lengths = [1, 5, 129, 300, 517, 200, 64], [1, 5, 129, 300, 517, 333, 64 + 190]
     q = torch.randn(sum(q_lengths), 6, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -132,6 +148,8 @@ def gluon_check(time_ms, forms: list[str]) -> None:
             print(f"{form}, window {window}, against float64 (segments of 1 to 517 queries, two after shared keys, "
                   f"6 / 2 heads): max |diff| {worst:.3g} (bf16 output: ~1e-2 expected), log-sum-exp {worst_lse:.3g}",
                   flush=True)
+            found[f"float64, {form}, window {window}"] = dict(max_diff=worst, lse_max_diff=worst_lse)
+    return found
 
 
 def launch_cost(cuda: bool) -> None:
@@ -173,9 +191,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
-    parser.add_argument("--gluon", nargs="*", choices=["persistent"],
+    parser.add_argument("--gluon", nargs="*", choices=["persistent", "out-buffer"],
                         help="hopper_attention.py's kernel (its forms; default: all) against the Triton kernel at "
-                        "its tiling (Hopper), then exit")
+                        "its tiling (Hopper): bits, float64, and the kernels timed in turn; then exit")
     parser.add_argument("--launch", action="store_true", help="a launch's host time on small rows, then exit")
     parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
                         help="the floor's GEMM and each case's kernel back to back for this long before they are "
@@ -197,7 +215,11 @@ def main() -> None:
     if args.gluon is not None:
         if not cuda or torch.cuda.get_device_capability()[0] != 9:
             raise SystemExit("--gluon: hopper_attention.py's kernels need a Hopper GPU")
-        gluon_check(time_ms, args.gluon or ["persistent"])
+        found = gluon_check(time_ms, args.gluon or ["persistent", "out-buffer"], args.warmup, args.rounds)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, warmup_s=args.warmup,
+                               rounds=args.rounds, gemm_floor_tflops=floor, cases=found), f, indent=1)
         return
     cases = {}
     for name, (lengths, heads, kv_heads, d) in CASES.items():

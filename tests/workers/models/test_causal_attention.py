@@ -183,7 +183,7 @@ def test_cuda_forward_and_backward_against_flash_attention(window):
         torch.testing.assert_close(mine.float(), theirs.float(), rtol=0, atol=5e-2 * theirs.abs().max().item())
 
 
-FORMS = ["persistent"]  # hopper_attention.FORMS
+FORMS = ["persistent", "out-buffer"]  # hopper_attention.FORMS
 
 
 @pytest.mark.skipif(hopper_kernels() is None, reason="Triton before 3.6")
@@ -227,6 +227,29 @@ def test_the_hopper_kernels_give_the_bits_of_the_tiling_they_stand_in_for(form, 
     walked, walked_lse = _launch(*args, tiles._replace(gluon=form), plan)
     assert torch.equal(walked, out) and torch.equal(walked_lse, lse)
     torch.testing.assert_close(out.double().cpu(), oracle(q, k, v, cu_q, cu_k, None, window), rtol=0, atol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (and Triton 3.6 or later)")
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("window", [None, 700])
+def test_a_program_that_takes_many_tiles_gives_each_the_bits_of_the_tiling(form, window):
+    """The 7B's heads (28 / 4) on 48 segments of 1 to 2,000 queries, some after shared keys: ~10,000 tiles, dozens to
+    each of the GPU's programs, so that each program hands keys, values, queries and outputs from one tile to the next
+    many times, on tiles of every length. Every output and log-sum-exp has the Triton tiling's bits."""
+    g = torch.Generator().manual_seed(9)
+    q_lengths = torch.randint(1, 2001, (48,), generator=g).tolist()
+    k_lengths = [n + (int(torch.randint(0, 600, (1,), generator=g)) if i % 3 == 0 else 0)
+                 for i, n in enumerate(q_lengths)]
+    q = torch.randn(sum(q_lengths), 28, 128, generator=g).to(DEVICE, torch.bfloat16)
+    k, v = (torch.randn(sum(k_lengths), 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for n in (q_lengths, k_lengths))
+    tiles = Tiles(128, 128, 8, 3, fused=True)
+    args = (q, k, v, cu_q, cu_k, max(q_lengths), 128**-0.5, window)
+    want, want_lse = _launch(*args, tiles)
+    out, lse = _launch(*args, tiles._replace(gluon=form))
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.gpu
