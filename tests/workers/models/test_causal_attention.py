@@ -245,6 +245,7 @@ def test_a_program_that_takes_many_tiles_gives_each_the_bits_of_the_tiling(form,
     k, v = (torch.randn(sum(k_lengths), 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
                   for n in (q_lengths, k_lengths))
+    assert hopper_kernels().usable(q, k, v)  # (the Gluon kernel runs, not the Triton one again)
     tiles = Tiles(128, 128, 8, 3, fused=True)
     args = (q, k, v, cu_q, cu_k, max(q_lengths), 128**-0.5, window)
     want, want_lse = _launch(*args, tiles)
