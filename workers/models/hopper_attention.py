@@ -317,6 +317,11 @@ def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, o_desc, lse_ptr, cu_q, cu
     ], [4, 1], [240, 24])
 
 
+def _constants(form: str, window) -> dict:
+    """The kernel's constants for this form, with a window or without (as launched and as compile_sm90 builds it)."""
+    return dict(WINDOW=bool(window), STAGES=STAGES, OUT_BUFFER=form == "out-buffer", num_warps=FORMS[form])
+
+
 def descriptor_layout(dtype: torch.dtype):
     """The shared-memory layout a block of BLOCK keys (or values) of a head lands in (wgmma's swizzle)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD], _DTYPES[dtype])
@@ -338,14 +343,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Ten
     o_desc = TensorDescriptor.from_tensor(out.view(t, -1), [BLOCK // 2, HEAD], descriptor_layout(q.dtype))
     q_blocks = triton.cdiv(max(max_q, 1), BLOCK)
     common = (scale * math.log2(math.e), window or 0, heads // k.shape[1], q_blocks)
-    sizes = dict(WINDOW=bool(window), STAGES=STAGES, OUT_BUFFER=form == "out-buffer", num_warps=FORMS[form])
     strides = (t, q.stride(0), q.stride(1), out.stride(0), out.stride(1))
     per_head = q_blocks * (cu_q.shape[0] - 1)
     taken = torch.zeros(1, dtype=torch.int32, device=q.device)  # (the tiles taken so far)
     programs = min(per_head * heads, torch.cuda.get_device_properties(q.device).multi_processor_count)
     _persistent_kernel[(programs,)](q, k_desc, v_desc, out, o_desc, lse, cu_q, cu_k, taken, *common, per_head,
-                                    per_head * heads, *strides, **sizes, enable_fp_fusion=True)  # (FMAs where the
-    # fused tiling has them: its bits)
+                                    per_head * heads, *strides, **_constants(form, window),
+                                    enable_fp_fusion=True)  # (FMAs where the fused tiling has them: its bits)
     return out, lse
 
 
@@ -378,5 +382,4 @@ def compile_sm90(form: str = "persistent", window: bool = False, divisible: tupl
              if n.endswith("_desc") else "fp32" if n == "scale" else "*i32" if n.startswith("cu_") or n == "taken"
              else "*fp32" if n == "lse_ptr" else "*bf16" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if n.endswith("_ptr") or n.startswith(("cu_", "stride_"))]
-    return sm90_build(fn, types, dict(WINDOW=window, STAGES=STAGES, OUT_BUFFER=form == "out-buffer",
-                                      num_warps=FORMS[form]), aligned, True, divisible, ones)
+    return sm90_build(fn, types, _constants(form, window), aligned, True, divisible, ones)

@@ -29,11 +29,11 @@ HEADS, KV_HEADS, HEAD_DIM = 6, 2, 24
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def segments(q_lengths, k_lengths, seed, dtype=torch.float32, head_dim=HEAD_DIM):
+def segments(q_lengths, k_lengths, seed, dtype=torch.float32, head_dim=HEAD_DIM, heads=HEADS, kv_heads=KV_HEADS):
     """q [Tq, H, D], k and v [Tk, Hkv, D] of packed segments, and their offsets."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(q_lengths), HEADS, head_dim, generator=g)
-    k, v = (torch.randn(sum(k_lengths), KV_HEADS, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(sum(q_lengths), heads, head_dim, generator=g)
+    k, v = (torch.randn(sum(k_lengths), kv_heads, head_dim, generator=g) for _ in range(2))
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
                   for n in (q_lengths, k_lengths))
     return *(x.to(DEVICE, dtype) for x in (q, k, v)), cu_q, cu_k
@@ -241,10 +241,8 @@ def test_a_program_that_takes_many_tiles_gives_each_the_bits_of_the_tiling(form,
     q_lengths = torch.randint(1, 2001, (48,), generator=g).tolist()
     k_lengths = [n + (int(torch.randint(0, 600, (1,), generator=g)) if i % 3 == 0 else 0)
                  for i, n in enumerate(q_lengths)]
-    q = torch.randn(sum(q_lengths), 28, 128, generator=g).to(DEVICE, torch.bfloat16)
-    k, v = (torch.randn(sum(k_lengths), 4, 128, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-                  for n in (q_lengths, k_lengths))
+    q, k, v, cu_q, cu_k = segments(q_lengths, k_lengths, seed=10, dtype=torch.bfloat16, head_dim=128, heads=28,
+                                   kv_heads=4)
     assert hopper_kernels().usable(q, k, v)  # (the Gluon kernel runs, not the Triton one again)
     tiles = Tiles(128, 128, 8, 3, fused=True)
     args = (q, k, v, cu_q, cu_k, max(q_lengths), 128**-0.5, window)
