@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
 import ray
 import torch
+from bench_model import QWEN25_1_5B, QWEN25_7B, timed  # the same directory
 
 from ppo_logprobs.workers import LogProbWorker, WorkerPool
 from ppo_logprobs.workers.request import MAX_TOKENS_PER_BATCH
@@ -27,18 +27,7 @@ def rollouts(n: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0) -
     return [g.integers(0, vocab, prompt + int(g.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-def median_seconds(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def save_random(path: str, shape: str = "7b") -> None:
-    from bench_model import QWEN25_1_5B, QWEN25_7B  # the same directory
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.set_default_dtype(torch.bfloat16)
@@ -56,6 +45,8 @@ def main() -> None:
     parser.add_argument("--save-random")
     parser.add_argument("--shape", choices=["7b", "1.5b"], default="7b", help="of --save-random's Qwen2.5 model")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS_PER_BATCH)
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="each way is called for this long before it is timed (one call at least)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.save_random:
@@ -66,13 +57,16 @@ def main() -> None:
     seqs = rollouts(6, 16, 8, 40, 503) if tiny else rollouts(args.rollouts, 512, 64, 4000, 152064)
     tokens = sum(len(s) for s in seqs)
     starts = [16 if tiny else 512] * len(seqs)
-    reps = 1 if tiny else 3
-    results = dict(date=time.strftime("%Y-%m-%d"), sequences=len(seqs), tokens=tokens, max_tokens=args.max_tokens)
+    reps, warmup = (1, 0) if tiny else (3, args.warmup)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    median_seconds = lambda fn: timed(fn, device, reps, warmup)[0]  # noqa: E731
+    results = dict(date=time.strftime("%Y-%m-%d"), sequences=len(seqs), tokens=tokens, max_tokens=args.max_tokens,
+                   timing=dict(warmup_s=warmup, reps=reps))
     if torch.cuda.is_available():
         results["gpu"] = torch.cuda.get_device_name()
 
     direct = LogProbWorker(args.model, max_tokens_per_batch=args.max_tokens, **options)
-    s = median_seconds(lambda: direct.score(seqs, starts), reps)
+    s = median_seconds(lambda: direct.score(seqs, starts))
     results["direct_tokens_per_s"] = tokens / s
     reference = direct.score(seqs, starts)
     direct = None  # free the in-process model before the pool's actors load theirs
@@ -82,7 +76,7 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     for n in args.workers:
         pool = WorkerPool.create(args.model, n, max_tokens_per_batch=args.max_tokens, **options)
-        s = median_seconds(lambda: pool.compute_log_probs(seqs, starts), reps)  # noqa: B023
+        s = median_seconds(lambda: pool.compute_log_probs(seqs, starts))  # noqa: B023
         got = pool.compute_log_probs(seqs, starts)
         pool.shutdown()
         diff = max(float(np.abs(a.log_probs - b.log_probs).max()) for a, b in zip(got, reference, strict=True))

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
-from bench_model import QWEN25_7B, TINY, build
+from bench_model import QWEN25_7B, TINY, build, timed
 
 from ppo_logprobs.workers import LogProbWorker, patch_model
 from ppo_logprobs.workers.prefixes import MIN_SHARED_PREFIX
@@ -43,16 +41,18 @@ def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[li
     return seqs, starts
 
 
-def timed(score, seqs, starts, reps: int) -> tuple[float, list]:
-    """Median seconds of `reps` calls of score(seqs, starts) after one warm-up, and the last call's results."""
-    results, seconds = score(seqs, starts), []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        results = score(seqs, starts)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), results
+def scored(score, seqs, starts, device: str, reps: int, warmup: float) -> tuple[float, list, int]:
+    """Median seconds of `reps` calls of score(seqs, starts), after calls for `warmup` seconds (bench_model's
+    timed); the last call's results; and how many calls there were."""
+    last = []
+
+    def call():
+        last[:] = [score(seqs, starts)]
+        calls.append(1)
+
+    calls = []
+    seconds, _ = timed(call, device, reps, warmup)
+    return seconds, last[0], len(calls)
 
 
 def computed_tokens(scorer) -> int:
@@ -89,12 +89,15 @@ def main() -> None:
     parser.add_argument("--fast", action="store_true", help="the fast mode (patch_model(invariant=False))")
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS_PER_BATCH, help="a worker's max_tokens_per_batch")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=3.0, metavar="SECONDS",
+                        help="each case is called for this long before it is timed (one call at least)")
     parser.add_argument("--pool", metavar="PATH", help="through two pools of this checkpoint, not a LogProbWorker")
     parser.add_argument("--out")
     args = parser.parse_args()
-    defaults = dict(fast=False, max_tokens=MAX_TOKENS_PER_BATCH, reps=3, pool=None)
+    defaults = dict(fast=False, max_tokens=MAX_TOKENS_PER_BATCH, reps=3, warmup=3.0, pool=None)
     options = {k: getattr(args, k) for k in defaults if getattr(args, k) != defaults[k]}
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+    reps, warmup = (1, 0) if args.tiny else (args.reps, args.warmup)
     scale = 32 if args.tiny else 1  # the tiny run: lengths / 32, and a minimum shared of 128 / 32
     if args.pool:
         shared, plain, vocab = pools(args, options)
@@ -115,7 +118,8 @@ def main() -> None:
     rows = []
     meta = dict(model=args.pool or ("tiny" if args.tiny else "Qwen2.5-7B shape, random bf16"), device=str(device),
                 torch=torch.__version__, gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-                min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options)
+                min_shared_prefix=MIN_SHARED_PREFIX // scale, options=options,
+                timing=dict(warmup_s=warmup, reps=reps))
     for name, shapes in [("nothing shared", None), *cases.items()]:
         if shapes is None:  # the mixed case's lengths, every sequence its own
             seqs = [rng.integers(0, vocab, (p + r) // scale).tolist() for g, p, r in mixed for _ in range(g)]
@@ -124,9 +128,9 @@ def main() -> None:
             seqs, starts = groups(rng, vocab, [(g, p // scale, r // scale) for g, p, r in shapes])
         tokens = sum(map(len, seqs))
         before = computed_tokens(shared)
-        t_shared, got = timed(score_shared, seqs, starts, 1 if args.tiny else args.reps)
-        computed = (computed_tokens(shared) - before) // (2 if args.tiny else args.reps + 1)
-        t_plain, expected = timed(score_plain, seqs, starts, 1 if args.tiny else args.reps)
+        t_shared, got, calls = scored(score_shared, seqs, starts, device, reps, warmup)
+        computed = (computed_tokens(shared) - before) // calls
+        t_plain, expected, _ = scored(score_plain, seqs, starts, device, reps, warmup)
         rows.append(dict(case=name, sequences=len(seqs), tokens=tokens, computed_tokens=computed,
                          shared_tokens_per_s=tokens / t_shared, unshared_tokens_per_s=tokens / t_plain,
                          speedup=t_plain / t_shared, token_ratio=tokens / computed,
