@@ -28,7 +28,6 @@ from pathlib import Path
 
 import ray
 import torch
-from bench_pool import median_seconds  # the same directory
 from bench_ppo_step import LOCAL_COPY, Trainer, local_copy_flag, non_defaults
 
 from ppo_logprobs.workers import WorkerPool
@@ -37,6 +36,17 @@ from ppo_logprobs.workers import WorkerPool
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def median_seconds(fn, reps: int) -> float:
+    """Median seconds of `reps` calls of fn after one (copies and broadcasts: their links, not the SM clock)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def receive_raw(worker, group: str, nbytes: int, reps: int) -> None:
