@@ -40,6 +40,7 @@ SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (
          (128, 128, 8, 3, True, True), (128, 64, 8, 4, True, True),
          # hopper_attention.py's Gluon kernels (Tiles.gluon)
          (128, 128, 8, 3, True, False, "persistent")]
+GLUON_FORMS = ["persistent"]  # hopper_attention.FORMS (imported only where Gluon is)
 
 
 def row_of(lengths: list[int], heads: int, kv_heads: int, d: int, device: str, dtype: torch.dtype):
@@ -191,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: short sequences, fp32")
     parser.add_argument("--sweep", action="store_true", help="the kernel's tilings on the first case, then exit")
-    parser.add_argument("--gluon", nargs="*", choices=["persistent", "out-buffer"],
+    parser.add_argument("--gluon", nargs="*", choices=GLUON_FORMS,
                         help="hopper_attention.py's kernel (its forms; default: all) against the Triton kernel at "
                         "its tiling (Hopper): bits, float64, and the kernels timed in turn; then exit")
     parser.add_argument("--launch", action="store_true", help="a launch's host time on small rows, then exit")
@@ -215,7 +216,7 @@ def main() -> None:
     if args.gluon is not None:
         if not cuda or torch.cuda.get_device_capability()[0] != 9:
             raise SystemExit("--gluon: hopper_attention.py's kernels need a Hopper GPU")
-        found = gluon_check(time_ms, args.gluon or ["persistent", "out-buffer"], args.warmup, args.rounds)
+        found = gluon_check(time_ms, args.gluon or GLUON_FORMS, args.warmup, args.rounds)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, warmup_s=args.warmup,

@@ -264,7 +264,7 @@ def main() -> None:
                         help="the mixed cases' row lengths (the worker's max_tokens_per_batch; the default's first)")
     parser.add_argument("--top-k", type=int, nargs="*", default=[],
                         help="the worker's invariant scoring also asked for these top-k (issue 23), beside plain")
-    parser.add_argument("--gluon", choices=["none", "persistent", "out-buffer"],
+    parser.add_argument("--gluon", choices=["none", "persistent"],
                         help="attention at heads over 64 on Hopper by this form of hopper_attention.py's kernel "
                         "(Tiles.gluon; none: the Triton kernel), not the default's (issue 41)")
     parser.add_argument("--mlp", choices=["ours", "no-qkv", "gated", "cublas"],

@@ -16,14 +16,8 @@ The kernel is persistent: one program per SM takes tiles from a counter, heavies
 that the next tile's first blocks load while this one's last run, and a half reads its next queries while its last P
 V runs. Each tile is computed alone, whichever program takes it: the same bits. (One program per tile, and an 8-warp
 form overlapping its own softmax with P V, ran slower: BENCHMARKS.md.) A half's output goes out through its queries'
-buffer by TMA (`_store`), which the next tile's queries wait for.
-
-The "out-buffer" form, not yet measured and not the default, stores a tile's output from a buffer of its own while
-the next tile's first scores run: two key buffers, not three, make the room; a half releases block g (its values in
-buffer g % 3, the next block's keys in (g + 1) % 2) once it has g's P V and g + 1's scores, so that block g + 3,
-whose keys go where g + 1's were, waits for both; so a tile's last block waits for the next tile's first scores. A
-first cut of it (BENCHMARKS.md) ran 1.6% slower, ptxas having put a wait for every wgmma before its division. The
-"persistent" form builds to the machine code it had before this form was added.
+buffer by TMA (`_store`), which the next tile's queries wait for. (An output buffer of its own, stored under the
+next tile's first scores with two key buffers making the room, ran 0.5-2% slower: BENCHMARKS.md.)
 
 Hopper only (wgmma is sm_90a's), heads of 128, bf16 or fp16; causal_attention.py's kernel runs everything else and
 every tile taken from a schedule (a CUDA graph's forward). Triton 3.6 and later.
@@ -49,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .key_blocks import tile_span
 
 BLOCK, HEAD, STAGES = 128, 128, 3
-FORMS = {"persistent": 4, "out-buffer": 4}  # form -> num_warps (the first half's warpgroup)
+FORMS = {"persistent": 4}  # form -> num_warps (the first half's warpgroup)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # (3.6: the second name)
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global  # (3.6: the second name)
@@ -145,12 +139,10 @@ def _persistent_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full
                       cu_k, window, group, q_blocks, per_head, WINDOW: gl.constexpr):
     """The persistent form's loads (one warp): it takes tiles from the counter, posts those with keys to read (a
     tile past its segment's end is skipped here, while the halves compute), and loads their blocks through one ring,
-    block g (counted over all its tiles) into buffer g % STAGES (its keys into g % KS) once both halves released block
-    g - STAGES."""
+    block g (counted over all its tiles) into buffer g % STAGES once both halves released its last use."""
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    STAGES: gl.constexpr = v_smem.shape[0]
-    KS: gl.constexpr = k_smem.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
     it = 0
     g = 0
     t = gl.atomic_add(taken, 1)
@@ -164,7 +156,7 @@ def _persistent_loads(k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full
             st = (g + b) % STAGES
             mbarrier.wait(empty.index(st), (((g + b) // STAGES) & 1) ^ 1)  # (a fresh barrier's previous phase)
             mbarrier.expect(ready.index(st), 2 * k_desc.block_type.nbytes)
-            _tma_load(k_desc, [k0 + start + b * BLOCK, col], ready.index(st), k_smem.index((g + b) % KS))
+            _tma_load(k_desc, [k0 + start + b * BLOCK, col], ready.index(st), k_smem.index(st))
             _tma_load(v_desc, [k0 + start + b * BLOCK, col], ready.index(st), v_smem.index(st))
         g += count
         t = gl.atomic_add(taken, 1)
@@ -187,20 +179,16 @@ def _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, 
 
 
 @gluon.jit
-def _persistent_attend(half, q_ptr, q_smem, o_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free,
-                       out_ptr, o_desc, lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q,
+def _persistent_attend(half, q_ptr, q_smem, k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr,
+                       o_desc, lse_ptr, n_tiles, cu_q, cu_k, scale, window, group, q_blocks, per_head, total_q,
                        stride_qt, stride_qh, stride_ot, stride_oh, WINDOW: gl.constexpr):
     """One half's tiles, as the loader posts them (each with keys to read): the loop over each tile's key blocks (the
     module's docstring), with the blocks counted over all tiles (g) and the turns too; the next tile's queries are read
-    while the last P V runs. In the "out-buffer" form (fewer key buffers than value buffers), a tile's output is
-    stored from o_smem, a buffer of its own, once the next tile's first scores are issued, and its last block released
-    once they are waited for."""
+    while the last P V runs."""
     ROWS: gl.constexpr = q_smem.shape[0]
     D: gl.constexpr = q_smem.shape[1]
-    STAGES: gl.constexpr = v_smem.shape[0]
-    KS: gl.constexpr = k_smem.shape[0]
+    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK: gl.constexpr = k_smem.shape[1]
-    OUT_BUFFER: gl.constexpr = KS < STAGES
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
                                                   instr_shape=[16, BLOCK, 16])
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -212,33 +200,18 @@ def _persistent_attend(half, q_ptr, q_smem, o_smem, k_smem, v_smem, ready, empty
     turns = 0
     t = _posted_tile(ids, id_full, id_free, it, ROWS)
     q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
-    if OUT_BUFFER:  # (the last tile's output and where it goes: none before the first)
-        acc = gl.zeros([ROWS, D], gl.float32, mma)
-        m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)
-        l_i = gl.full([ROWS], 1.0, gl.float32, rows_of)
-        last_at = (0, 0, 0, 0)
     while t < n_tiles:
         head, q0, n_q, k0, n_k, m0, start, whole, count, col = _tile_of(t, cu_q, cu_k, window, group, q_blocks,
                                                                         per_head, BLOCK, D, WINDOW)
-        if not OUT_BUFFER:
-            tma.store_wait(0)  # (the last tile's output has left the buffer)
+        tma.store_wait(0)  # (the last tile's output has left the buffer)
         q_smem.store(q)  # (every product that read the last tile's queries has been waited for)
         fence_async_shared()
         it += 1
         r0 = m0 + half * ROWS
         pos = n_k - n_q + r0 + gl.arange(0, ROWS, layout=rows_of)
         mbarrier.wait(ready.index(g % STAGES), (g // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_smem.index(g % KS).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if OUT_BUFFER:
-            acc = warpgroup_mma_wait(1, deps=(acc,))  # (waited for at the last tile's end: this tells ptxas, which
-            # would otherwise wait for the scores too before the division, C7517)
-            if g > 0:
-                tma.store_wait(0)  # (the output before has left the buffer)
-                _store(out_ptr, o_desc, o_smem, lse_ptr, acc, m_i, l_i, *last_at, total_q, stride_ot, stride_oh, mma)
+        s = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        if OUT_BUFFER:
-            if g > 0:  # (the last tile's last block: the keys after it are read)
-                mbarrier.arrive(empty.index((g - 1) % STAGES))
         m_i = gl.full([ROWS], -1.0e38, gl.float32, rows_of)  # (finite: a block it sees nothing of changes nothing)
         l_i = gl.zeros([ROWS], gl.float32, rows_of)
         p, m_i, l_i, alpha = _block_softmax(s, m_i, l_i, start, whole, pos, n_k, scale, window, WINDOW, mma)
@@ -247,7 +220,7 @@ def _persistent_attend(half, q_ptr, q_smem, o_smem, k_smem, v_smem, ready, empty
             nxt = g + j + 1
             mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
             mbarrier.wait(turn.index(half), (turns + j) & 1)  # this half's turn on the tensor cores
-            s = warpgroup_mma(q_smem, k_smem.index(nxt % KS).permute((1, 0)), zero, use_acc=False,
+            s = warpgroup_mma(q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), zero, use_acc=False,
                               is_async=True)
             p_op = gl.convert_layout(p.to(q_smem.dtype), operand)
             acc = warpgroup_mma(p_op, v_smem.index((nxt - 1) % STAGES), acc, is_async=True)
@@ -264,35 +237,22 @@ def _persistent_attend(half, q_ptr, q_smem, o_smem, k_smem, v_smem, ready, empty
         t = _posted_tile(ids, id_full, id_free, it, ROWS)
         q = _tile_queries(q_ptr, t, n_tiles, half, cu_q, q_blocks, per_head, stride_qt, stride_qh, ROWS, D, io)
         acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        if OUT_BUFFER:
-            last_at = (q0, n_q, r0, head)
-        else:
-            mbarrier.arrive(empty.index(last))
-            _store(out_ptr, o_desc, o_smem, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh,
-                   mma)
+        mbarrier.arrive(empty.index(last))
+        _store(out_ptr, o_desc, q_smem, lse_ptr, acc, m_i, l_i, q0, n_q, r0, head, total_q, stride_ot, stride_oh, mma)
         g += count
         turns += count - 1
-    if OUT_BUFFER:
-        if g > 0:
-            tma.store_wait(0)
-            _store(out_ptr, o_desc, o_smem, lse_ptr, acc, m_i, l_i, *last_at, total_q, stride_ot, stride_oh, mma)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, o_desc, lse_ptr, cu_q, cu_k, taken, scale, window, group,
                        q_blocks, per_head, n_tiles, total_q, stride_qt, stride_qh, stride_ot, stride_oh,
-                       WINDOW: gl.constexpr, STAGES: gl.constexpr, OUT_BUFFER: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       WINDOW: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     BLOCK: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = k_desc.block_type.shape[1]
-    KS: gl.constexpr = STAGES - 1 if OUT_BUFFER else STAGES  # (the output's buffer takes one key buffer's room)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BLOCK, D], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, D], v_desc.layout)
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], k_desc.layout)
-    o_smem = q_smem  # (the output goes out through the queries' buffer)
-    if OUT_BUFFER:
-        o_smem = gl.allocate_shared_memory(k_desc.dtype, [2, BLOCK // 2, D], o_desc.layout)
     ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -310,8 +270,8 @@ def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, o_desc, lse_ptr, cu_q, cu
     common = (k_smem, v_smem, ready, empty, turn, ids, id_full, id_free, out_ptr, o_desc, lse_ptr, n_tiles, cu_q, cu_k,
               scale, window, group, q_blocks, per_head, total_q, stride_qt, stride_qh, stride_ot, stride_oh, WINDOW)
     gl.warp_specialize([
-        (_persistent_attend, (0, q_ptr, q_smem.index(0), o_smem.index(0)) + common),
-        (_persistent_attend, (1, q_ptr, q_smem.index(1), o_smem.index(1)) + common),
+        (_persistent_attend, (0, q_ptr, q_smem.index(0)) + common),
+        (_persistent_attend, (1, q_ptr, q_smem.index(1)) + common),
         (_persistent_loads, (k_desc, v_desc, k_smem, v_smem, ready, empty, ids, id_full, id_free, taken, n_tiles,
                              cu_q, cu_k, window, group, q_blocks, per_head, WINDOW)),
     ], [4, 1], [240, 24])
@@ -319,7 +279,7 @@ def _persistent_kernel(q_ptr, k_desc, v_desc, out_ptr, o_desc, lse_ptr, cu_q, cu
 
 def _constants(form: str, window) -> dict:
     """The kernel's constants for this form, with a window or without (as launched and as compile_sm90 builds it)."""
-    return dict(WINDOW=bool(window), STAGES=STAGES, OUT_BUFFER=form == "out-buffer", num_warps=FORMS[form])
+    return dict(WINDOW=bool(window), STAGES=STAGES, num_warps=FORMS[form])
 
 
 def descriptor_layout(dtype: torch.dtype):
