@@ -44,13 +44,12 @@ def groups(rng, vocab: int, shapes: list[tuple[int, int, int]]) -> tuple[list[li
 def scored(score, seqs, starts, device: str, reps: int, warmup: float) -> tuple[float, list, int]:
     """Median seconds of `reps` calls of score(seqs, starts), after calls for `warmup` seconds (bench_model's
     timed); the last call's results; and how many calls there were."""
-    last = []
+    last, calls = [], []
 
     def call():
         last[:] = [score(seqs, starts)]
         calls.append(1)
 
-    calls = []
     seconds, _ = timed(call, device, reps, warmup)
     return seconds, last[0], len(calls)
 
