@@ -3,7 +3,9 @@
 # (fixed and mixed lengths), and the invariance study on a random Qwen2.5-7B-shaped checkpoint. STAGES picks some of
 # "tests probe model invariance profile" (default: all), or "sweep": the attention kernel's tilings (bench_attention.py
 # --sweep: TFLOP/s and the queries whose bits differ as suffixes, for each), or "gluon": hopper_attention.py's kernel
-# against the Triton kernel at its tiling (bench_attention.py --gluon). Logs and JSON go to $OUT.
+# against the Triton kernel at its tiling (bench_attention.py --gluon), or "musts": issue 41's timed musts at the
+# defaults (attention, the 7B fixed and mixed, top-k), then MoE with its warm-up and without (--warmup 0, as its
+# floor was timed before 2026-12-07). Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 STAGES=${STAGES:-tests probe model invariance profile}
@@ -20,6 +22,15 @@ if [[ $STAGES == *sweep* ]]; then
 fi
 if [[ $STAGES == *gluon* ]]; then  # (a barrier that deadlocks costs its timeout alone)
   timeout 150 python3 bench_attention.py --gluon 2>&1 | tee "$OUT/gluon.log" | grep -v -i warn
+fi
+if [[ $STAGES == *musts* ]]; then
+  timeout 120 python3 bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log" | grep -v -i warn
+  timeout 300 python3 bench_model.py --skip-naive --worker-only --out "$OUT/model.json" 2>&1 | tee "$OUT/model.log" \
+    | grep -v '^{' | grep -v -i warn | tail -14
+  timeout 120 python3 bench_head.py --top-k --out "$OUT/head_top_k.json" 2>&1 | tee "$OUT/top_k.log" | grep -v -i warn
+  timeout 200 python3 bench_moe.py --skip-hf --out "$OUT/moe.json" 2>&1 | tee "$OUT/moe.log" | grep -v -i warn | tail -5
+  timeout 200 python3 bench_moe.py --skip-hf --warmup 0 --out "$OUT/moe_cold.json" 2>&1 | tee "$OUT/moe_cold.log" \
+    | grep -v -i warn | tail -5
 fi
 if [[ $STAGES == *probe* ]]; then
   timeout 200 python3 bench_invariance.py --probe --out "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -v -i warn
