@@ -28,6 +28,7 @@ from pathlib import Path
 
 import ray
 import torch
+from bench_model import timed  # the same directory
 from bench_ppo_step import LOCAL_COPY, Trainer, local_copy_flag, non_defaults
 
 from ppo_logprobs.workers import WorkerPool
@@ -39,14 +40,9 @@ def sync():
 
 
 def median_seconds(fn, reps: int) -> float:
-    """Median seconds of `reps` calls of fn after one (copies and broadcasts: their links, not the SM clock)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `reps` calls of fn after one, with no warm-up beyond it (copies and broadcasts: their links,
+    not the SM clock, set the rate)."""
+    return timed(fn, "cuda" if torch.cuda.is_available() else "cpu", reps)[0]
 
 
 def receive_raw(worker, group: str, nbytes: int, reps: int) -> None:
