@@ -72,7 +72,8 @@ def scoring_inputs(prompts: list[list[int]], body: CompletionRequest, *, vocab_s
     for i, p in enumerate(prompts):
         where = "prompt" if single else f"prompt[{i}]"
         if len(p) + extra < 2:
-            raise RequestError(f"{where} has {len(p)} tokens; scoring needs at least 2 (or max_tokens 1)")
+            raise RequestError(f"{where} has {len(p)} token{'s' * (len(p) != 1)}; scoring needs at least 2 "
+                               "(or max_tokens 1)")
         if len(p) + extra > max_length:
             raise TooLarge(f"{where} has {len(p)} tokens; this model takes at most {max_length - extra}"
                            + (" with max_tokens 1" if extra else ""))

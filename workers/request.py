@@ -139,7 +139,8 @@ class ScoreRequest:
         n = len(lengths)
         if (short := np.flatnonzero(lengths < 2)).size:
             i = int(short[0])
-            raise RequestError(f"input_ids[{i}] has {lengths[i]} tokens; scoring needs at least 2")
+            k = int(lengths[i])
+            raise RequestError(f"input_ids[{i}] has {k} token{'s' * (k != 1)}; scoring needs at least 2")
         if (long := np.flatnonzero(lengths > max_length)).size:
             i = int(long[0])
             raise TooLarge(f"input_ids[{i}] has {lengths[i]} tokens; this model takes at most {max_length}")

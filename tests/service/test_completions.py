@@ -119,7 +119,7 @@ def test_a_prompt_too_short_to_score_is_refused_naming_it_and_a_single_token_is_
     body = CompletionRequest(prompt=[[5, 6], [7]], max_tokens=0)
     with pytest.raises(RequestError) as short:
         scoring_inputs(prompts_of(body, None), body, **LIMITS)
-    assert str(short.value) == "prompt[1] has 1 tokens; scoring needs at least 2 (or max_tokens 1)"
+    assert str(short.value) == "prompt[1] has 1 token; scoring needs at least 2 (or max_tokens 1)"
     body = CompletionRequest(prompt=[[5, 6], []], max_tokens=1)
     with pytest.raises(RequestError, match=r"^prompt\[1\] has 0 tokens; scoring needs at least 2 \(or max_tokens 1\)$"):
         scoring_inputs(prompts_of(body, None), body, **LIMITS)

@@ -120,7 +120,7 @@ MALFORMED = [
     ({}, "input_ids: Field required", 422),
     ({"input_ids": []}, "input_ids", 422),
     ({"input_ids": [[]]}, "input_ids[0] has 0 tokens", 422),
-    ({"input_ids": [[5]]}, "input_ids[0] has 1 tokens; scoring needs at least 2", 422),
+    ({"input_ids": [[5]]}, "input_ids[0] has 1 token; scoring needs at least 2", 422),
     ({"input_ids": [[1, 2], [3, 503]]}, "input_ids[1][1] = 503 is outside the vocabulary", 422),
     ({"input_ids": [[1, 2], [-4, 3]]}, "input_ids[1][0] = -4", 422),
     ({"input_ids": [[1, 2.5]]}, "input_ids[0][1]: ", 422),

@@ -39,7 +39,7 @@ def score(request: ScoreRequest, version: int = 0) -> ScoreResult:
         ("ab", 1, 1.0, RequestError, "input_ids must be a non-empty list of token lists"),
         ([[1, 2], 5], 1, 1.0, RequestError, "input_ids[1] = 5 is not a list of token ids"),
         ([[1, 2], "ab"], 1, 1.0, RequestError, "input_ids[1] = 'ab' is not a list of token ids"),
-        ([[1, 2], [3]], 1, 1.0, RequestError, "input_ids[1] has 1 tokens; scoring needs at least 2"),
+        ([[1, 2], [3]], 1, 1.0, RequestError, "input_ids[1] has 1 token; scoring needs at least 2"),
         ([[1, 2], [1] * 9], 1, 1.0, TooLarge, "input_ids[1] has 9 tokens; this model takes at most 8"),
         ([[1, 2], [3, 4, 10]], 1, 1.0, RequestError, "input_ids[1][2] = 10 is outside the vocabulary [0, 10)"),
         ([[1, 2], [-1, 4]], 1, 1.0, RequestError, "input_ids[1][0] = -1 is outside the vocabulary [0, 10)"),
