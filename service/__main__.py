@@ -281,6 +281,7 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
             sys.stderr.flush()
             os._exit(0)
         ray.shutdown()
+    log.info("stopped")  # (after Ctrl-C or SIGTERM: Serve and the Ray this process started are down)
 
 
 def stop_serve() -> bool:

@@ -84,8 +84,9 @@ def test_the_quick_start_runs_as_written(url, tmp_path):
 
 def test_a_sigterm_to_make_stops_the_service_and_leaves_nothing_behind(make_serve):
     """After the quick start (pytest runs a file's tests in order): SIGTERM to make's process alone. make passes it
-    to its child, which is the service itself (the recipe execs it), so the service shuts down in order, and make
-    exits once it has; every process the service started (Ray's, HAProxy) is gone soon after."""
+    to its child, which is the service itself (the recipe execs it), so the service shuts down in order, its last line
+    says it stopped, and make exits once it has; every process the service started (Ray's, HAProxy) is gone soon
+    after."""
     _, proc, log = make_serve
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("ppo_logprobs.service" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
@@ -97,4 +98,5 @@ def test_a_sigterm_to_make_stops_the_service_and_leaves_nothing_behind(make_serv
         with contextlib.suppress(psutil.Error):
             p.kill()
     assert not left, left
-    assert "shutting down: finishing requests in flight" in log.read_text(), log.read_text()[-3000:]
+    text = log.read_text()
+    assert "shutting down: finishing requests in flight" in text and text.rstrip().endswith("stopped"), text[-3000:]
