@@ -276,12 +276,13 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
         if folder is not None:
             remove_haproxy_folder(folder)
         if ray_stopped:  # (Ray's shutdown would end this process with status 1 on finding its raylet gone)
+            log.info("stopped")
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
         ray.shutdown()
-    log.info("stopped")  # (after Ctrl-C or SIGTERM: Serve and the Ray this process started are down)
+    log.info("stopped")  # (after Ctrl-C or SIGTERM, as above: Serve and the Ray this process started are down)
 
 
 def stop_serve() -> bool:
