@@ -275,14 +275,14 @@ def serve_until_stopped(settings: Settings, folder: str | None) -> None:
     finally:
         if folder is not None:
             remove_haproxy_folder(folder)
-        if ray_stopped:  # (Ray's shutdown would end this process with status 1 on finding its raylet gone)
-            log.info("stopped")
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        ray.shutdown()
-    log.info("stopped")  # (after Ctrl-C or SIGTERM, as above: Serve and the Ray this process started are down)
+        if not ray_stopped:
+            ray.shutdown()
+    log.info("stopped")  # (after Ctrl-C or SIGTERM: Serve and the Ray this process started are down)
+    if ray_stopped:  # (Ray's shutdown at the interpreter's exit would end it with status 1 on finding its raylet gone)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def stop_serve() -> bool:
